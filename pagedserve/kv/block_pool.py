@@ -1,0 +1,167 @@
+"""The pool of physical KV blocks: reference counts, an LRU free queue and the prefix-cache map.
+
+Pure Python (no torch): a block here is bookkeeping only; the model runner owns the tensors and
+addresses them by `block_id`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+
+class Block:
+    """One physical block of `block_size` token slots."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        # Set while the block holds a full block of cached prefix that others may hit.
+        self.block_hash: bytes | None = None
+        # Links of the intrusive free queue; both None while the block is in use.
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks, least recently used at the head.
+
+    Intrusive (the links live in the blocks) so that every operation is O(1), including
+    `remove` of a block from the middle when the prefix cache revives it.
+    """
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        # Sentinels at both ends keep the link code free of special cases.
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Block]:
+        node = self._head.next_free
+        while node is not self._tail:
+            yield node
+            node = node.next_free
+
+    def _insert_between(self, block: Block, prev: Block, nxt: Block) -> None:
+        assert block.prev_free is None and block.next_free is None, f"{block} already queued"
+        block.prev_free, block.next_free = prev, nxt
+        prev.next_free = block
+        nxt.prev_free = block
+        self._len += 1
+
+    def append(self, block: Block) -> None:
+        """Queue `block` as the most recently used: evicted last."""
+        self._insert_between(block, self._tail.prev_free, self._tail)
+
+    def appendleft(self, block: Block) -> None:
+        """Queue `block` as the first to be taken (it caches nothing worth keeping)."""
+        self._insert_between(block, self._head, self._head.next_free)
+
+    def remove(self, block: Block) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def popleft(self) -> Block:
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+
+class BlockPool:
+    """`num_blocks` physical blocks with reference counts and a hash -> block prefix cache.
+
+    A block with ref count 0 is free and sits in the free queue. If it holds a cached full
+    block it keeps its hash until it is taken for reuse, so a later request can still hit it.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a findable cached prefix."""
+        return sum(1 for b in self.cached.values() if b.ref_count == 0)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take `n` free blocks (ref count 1 each), evicting cached content in LRU order."""
+        if n > len(self.free_queue):
+            raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
+        taken = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._forget(block)
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Add one reference to each block, reviving free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block, in order; those reaching 0 become free.
+
+        Freed blocks that hold a cached prefix join the tail of the queue (evicted last, and
+        in the order given); blocks holding nothing reusable go to the head, to be taken first.
+        """
+        for block in blocks:
+            assert block.ref_count > 0, f"{block} released more often than referenced"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        """Make a full, in-use block findable by its content hash.
+
+        If another block already holds the same content, the first one stays the cached copy
+        and `block` remains private: it is simply not findable.
+        """
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _forget(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None

@@ -1,0 +1,261 @@
+"""Per-request block tables over the block pool: admit, grow, fork, copy-on-write, free.
+
+A request's block table maps its logical blocks to physical ones: the token at position `t`
+lives in block `table[t // block_size]`, slot `t % block_size`. Tables are always exactly as
+long as the tokens they hold need (`ceil(num_tokens / block_size)` blocks), so waste is the
+unfilled tail of the last block.
+
+Every allocating call is all-or-nothing: when the pool cannot cover it, nothing changes and
+the caller gets `None`, so the scheduler can preempt someone and try again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from pagedserve.kv.block_pool import Block, BlockPool
+
+RequestId = Hashable
+BlockCopy = tuple[int, int]  # (source block id, destination block id)
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: object = None) -> bytes:
+    """Content hash of one full block, chained to the hash of the block before it.
+
+    SHA-256, so two different token sequences never share a block by accident.
+    """
+    h = hashlib.sha256(parent or b"root")
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys is not None:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_free_blocks: int  # free, but still holding a prefix a later request can hit
+    reserved_slots: int  # token slots in used blocks
+    filled_slots: int  # of those, slots holding a token
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens found cached
+    cow_copies: int
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.total_blocks
+
+    @property
+    def waste(self) -> float:
+        """Share of reserved token slots that hold no token (internal fragmentation)."""
+        return 1.0 - self.filled_slots / self.reserved_slots if self.reserved_slots else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class _Table:
+    """What the manager knows about one request."""
+
+    __slots__ = ("blocks", "num_tokens", "hashes", "extra_keys")
+
+    def __init__(self, blocks: list[Block], num_tokens: int, hashes: list[bytes], extra_keys: object):
+        self.blocks = blocks
+        self.num_tokens = num_tokens  # tokens with a slot reserved (computed or scheduled now)
+        self.hashes = hashes  # chained hashes of the leading full blocks
+        self.extra_keys = extra_keys
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._tables: dict[RequestId, _Table] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.cow_copies = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def __contains__(self, req_id: RequestId) -> bool:
+        return req_id in self._tables
+
+    def block_ids(self, req_id: RequestId) -> list[int]:
+        return [b.block_id for b in self._tables[req_id].blocks]
+
+    def num_tokens(self, req_id: RequestId) -> int:
+        return self._tables[req_id].num_tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def find_cached_prefix(self, token_ids: Sequence[int], extra_keys: object = None) -> tuple[list[Block], list[bytes]]:
+        """The longest run of cached full blocks that starts `token_ids`, and their hashes.
+
+        At least the last token is always left out, so the model still has one token to run
+        and produce logits from.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        blocks: list[Block] = []
+        hashes: list[bytes] = []
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
+            block = self.pool.lookup(parent)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(parent)
+        return blocks, hashes
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def admit(
+        self,
+        req_id: RequestId,
+        token_ids: Sequence[int],
+        num_new_tokens: int | None = None,
+        extra_keys: object = None,
+    ) -> int | None:
+        """Give a new request a block table.
+
+        Reuses the longest cached prefix, then reserves slots for up to `num_new_tokens` of the
+        remaining tokens (all of them by default). Returns how many tokens came from the prefix
+        cache, or None (and changes nothing) when the pool cannot cover the request.
+        """
+        if req_id in self._tables:
+            raise ValueError(f"request {req_id!r} already has a block table")
+        if not token_ids:
+            raise ValueError("cannot admit a request with no tokens")
+        hit, hashes = self.find_cached_prefix(token_ids, extra_keys)
+        num_cached = len(hit) * self.block_size
+        remaining = len(token_ids) - num_cached
+        n = remaining if num_new_tokens is None else min(remaining, num_new_tokens)
+        if n < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        num_new_blocks = cdiv(num_cached + n, self.block_size) - len(hit)
+        num_revived = sum(1 for b in hit if b.ref_count == 0)
+        if num_new_blocks + num_revived > self.pool.num_free:
+            return None
+        self.pool.touch(hit)
+        table = _Table(hit + self.pool.allocate(num_new_blocks), num_cached + n, hashes, extra_keys)
+        self._tables[req_id] = table
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += num_cached
+        self._cache_full_blocks(table, token_ids)
+        return num_cached
+
+    def blocks_needed_to_grow(self, req_id: RequestId, num_new_tokens: int) -> int:
+        """Free blocks that `grow(req_id, num_new_tokens)` would take (copy-on-write included)."""
+        table = self._tables[req_id]
+        return cdiv(table.num_tokens + num_new_tokens, self.block_size) - len(table.blocks) + int(
+            self._needs_copy_on_write(table)
+        )
+
+    def grow(
+        self, req_id: RequestId, num_new_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> list[BlockCopy] | None:
+        """Reserve slots for the request's next `num_new_tokens` tokens.
+
+        A new block is taken exactly when a block boundary is crossed. If the first slot to be
+        written lies in a block shared with another request, that block is first replaced by a
+        private copy (copy-on-write); the returned (src, dst) pairs tell the model runner which
+        tensors to copy before the step writes. `token_ids` (the request's tokens so far,
+        including those being scheduled) lets blocks that become full join the prefix cache.
+        Returns None, changing nothing, when the pool cannot cover it.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        table = self._tables[req_id]
+        if self.blocks_needed_to_grow(req_id, num_new_tokens) > self.pool.num_free:
+            return None
+        copies = []
+        if self._needs_copy_on_write(table):
+            i = table.num_tokens // self.block_size
+            shared = table.blocks[i]
+            (private,) = self.pool.allocate(1)
+            table.blocks[i] = private
+            self.pool.release([shared])
+            copies.append((shared.block_id, private.block_id))
+            self.cow_copies += 1
+        table.num_tokens += num_new_tokens
+        table.blocks += self.pool.allocate(cdiv(table.num_tokens, self.block_size) - len(table.blocks))
+        if token_ids is not None:
+            self._cache_full_blocks(table, token_ids)
+        return copies
+
+    def fork(self, parent_id: RequestId, child_id: RequestId) -> None:
+        """Give `child_id` a table sharing every block of `parent_id` (parallel sampling)."""
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already has a block table")
+        parent = self._tables[parent_id]
+        self.pool.touch(parent.blocks)
+        self._tables[child_id] = _Table(list(parent.blocks), parent.num_tokens, list(parent.hashes), parent.extra_keys)
+
+    def free(self, req_id: RequestId) -> None:
+        """Drop the request's table; a no-op for a request that holds none.
+
+        Blocks are released tail first, so when they become free the end of the request (the
+        part least likely to be shared) is evicted before its prefix.
+        """
+        table = self._tables.pop(req_id, None)
+        if table is not None:
+            self.pool.release(reversed(table.blocks))
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _needs_copy_on_write(self, table: _Table) -> bool:
+        """Whether the next token's slot lies in a partially filled block someone else holds."""
+        if table.num_tokens % self.block_size == 0:
+            return False  # the next token starts a fresh block
+        return table.blocks[table.num_tokens // self.block_size].ref_count > 1
+
+    def _cache_full_blocks(self, table: _Table, token_ids: Sequence[int]) -> None:
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(table.num_tokens, len(token_ids)) // bs
+        for i in range(len(table.hashes), num_full):
+            parent = table.hashes[-1] if table.hashes else None
+            block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs], table.extra_keys)
+            table.hashes.append(block_hash)
+            self.pool.cache(table.blocks[i], block_hash)
+
+    # ---- figures -------------------------------------------------------------------------
+
+    def stats(self) -> KVCacheStats:
+        bs = self.block_size
+        filled: dict[int, int] = {}  # physical block -> tokens it holds (max over sharers)
+        for table in self._tables.values():
+            for i, block in enumerate(table.blocks):
+                n = min(bs, table.num_tokens - i * bs)
+                if n > filled.get(block.block_id, 0):
+                    filled[block.block_id] = n
+        pool = self.pool
+        return KVCacheStats(
+            total_blocks=pool.num_blocks,
+            free_blocks=pool.num_free,
+            used_blocks=pool.num_used,
+            cached_free_blocks=pool.num_cached_free,
+            reserved_slots=pool.num_used * bs,
+            filled_slots=sum(filled.values()),
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            cow_copies=self.cow_copies,
+        )

@@ -1,0 +1,177 @@
+import pytest
+
+from pagedserve.kv import KVCacheManager, hash_block
+
+
+def refs(m, block_ids):
+    return [m.pool.blocks[i].ref_count for i in block_ids]
+
+
+def test_walkthrough_from_the_seed_document():
+    """10 blocks of 16; A (24-token prompt) takes 2 blocks; B forks and shares them;
+    B's 25th token lands in the shared half-full block and gets a private copy; A grows past
+    32 tokens into a third block; freeing both returns all 10 blocks."""
+    m = KVCacheManager(num_blocks=10, block_size=16)
+    prompt = list(range(24))
+    assert m.admit("A", prompt) == 0
+    a0, a1 = m.block_ids("A")
+    assert m.num_free_blocks == 8
+
+    m.fork("A", "B")
+    assert m.block_ids("B") == [a0, a1]
+    assert refs(m, [a0, a1]) == [2, 2]
+
+    copies = m.grow("B", 1, prompt + [100])
+    b1 = m.block_ids("B")[1]
+    assert copies == [(a1, b1)] and b1 != a1
+    assert m.block_ids("B")[0] == a0
+    assert refs(m, [a0, a1, b1]) == [2, 1, 1]
+
+    assert m.grow("A", 9, prompt + list(range(200, 209))) == []  # a1 is A's alone now: no copy
+    assert m.num_tokens("A") == 33
+    assert m.block_ids("A")[:2] == [a0, a1] and len(m.block_ids("A")) == 3
+    assert m.stats().cow_copies == 1
+
+    m.free("A")
+    m.free("B")
+    assert m.num_free_blocks == 10
+
+
+def test_the_writer_of_a_shared_block_gets_the_copy_whoever_writes_first():
+    m = KVCacheManager(num_blocks=10, block_size=16)
+    m.admit("A", list(range(24)))
+    m.fork("A", "B")
+    shared = m.block_ids("A")[1]
+    copies = m.grow("A", 9)
+    assert copies == [(shared, m.block_ids("A")[1])]
+    assert m.block_ids("B")[1] == shared and refs(m, [shared]) == [1]
+    assert m.grow("B", 1) == []
+
+
+def test_grow_takes_a_block_exactly_at_the_boundary():
+    m = KVCacheManager(num_blocks=4, block_size=4)
+    m.admit("r", [1, 2, 3])
+    assert len(m.block_ids("r")) == 1
+    m.grow("r", 1)
+    assert len(m.block_ids("r")) == 1  # 4 tokens fill the block
+    m.grow("r", 1)
+    assert len(m.block_ids("r")) == 2  # the 5th crosses the boundary
+    m.grow("r", 7)
+    assert len(m.block_ids("r")) == 3 and m.num_tokens("r") == 12
+
+
+def test_allocation_is_all_or_nothing():
+    m = KVCacheManager(num_blocks=3, block_size=4)
+    assert m.admit("big", list(range(13))) is None  # needs 4 blocks
+    assert "big" not in m and m.num_free_blocks == 3
+    m.admit("r", list(range(8)))
+    assert m.grow("r", 5) is None  # needs 2 more, 1 free
+    assert m.num_tokens("r") == 8 and len(m.block_ids("r")) == 2
+    assert m.grow("r", 4) == []
+
+
+def test_copy_on_write_counts_against_the_budget():
+    m = KVCacheManager(num_blocks=2, block_size=4)
+    m.admit("A", [1, 2])
+    m.fork("A", "B")
+    m.admit("C", [5])
+    assert m.blocks_needed_to_grow("B", 1) == 1
+    m.free("C")
+    assert m.grow("B", 1) is not None
+
+
+def test_chunked_admission_reserves_only_the_chunk():
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(20))
+    assert m.admit("r", prompt, num_new_tokens=6) == 0
+    assert m.num_tokens("r") == 6 and len(m.block_ids("r")) == 2
+    m.grow("r", 14, prompt)
+    assert len(m.block_ids("r")) == 5
+
+
+def test_prefix_hit_reuses_full_blocks_and_leaves_a_token_to_compute():
+    m = KVCacheManager(num_blocks=10, block_size=4)
+    system = list(range(100, 112))  # 3 full blocks
+    m.admit("A", system + [1, 2])
+    a = m.block_ids("A")
+    assert m.admit("B", system + [7, 8, 9]) == 12
+    assert m.block_ids("B")[:3] == a[:3] and m.block_ids("B")[3] != a[3]
+    assert refs(m, a[:3]) == [2, 2, 2]
+    # Exactly the cached tokens: the last block must be recomputed, so only 2 blocks hit.
+    assert m.admit("C", system) == 8
+    s = m.stats()
+    assert (s.prefix_queries, s.prefix_hits) == (14 + 15 + 12, 12 + 8)
+
+
+def test_freed_cached_blocks_stay_findable_until_reused():
+    m = KVCacheManager(num_blocks=4, block_size=4)
+    prompt = list(range(9))
+    m.admit("A", prompt)
+    a = m.block_ids("A")
+    m.free("A")
+    assert m.stats().cached_free_blocks == 2 and m.num_free_blocks == 4
+    assert m.admit("B", prompt) == 8  # revived from the free queue
+    assert m.block_ids("B")[:2] == a[:2]
+    m.free("B")
+    m.admit("C", list(range(50, 66)))  # takes all 4 blocks: the cache is evicted
+    m.free("C")
+    assert m.admit("D", prompt) == 0
+
+
+def test_tail_blocks_are_evicted_before_the_prefix():
+    m = KVCacheManager(num_blocks=4, block_size=2)
+    m.admit("A", [1, 2, 3, 4, 5, 6, 7])  # blocks 0..3, three full and cached
+    first = m.block_ids("A")
+    m.free("A")
+    m.admit("B", [9, 9, 9])  # needs 2 blocks: the uncached tail, then the last cached block
+    assert set(m.block_ids("B")) == {first[3], first[2]}
+    m.free("B")
+    assert m.admit("C", [1, 2, 3, 4, 8]) == 4  # the first two blocks survived
+
+
+def test_extra_keys_separate_identical_tokens():
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    m.admit("A", list(range(9)), extra_keys="lora-1")
+    assert m.admit("B", list(range(9)), extra_keys="lora-2") == 0
+    assert m.admit("C", list(range(9)), extra_keys="lora-1") == 8
+
+
+def test_prefix_caching_off_never_shares():
+    m = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    m.admit("A", list(range(9)))
+    assert m.admit("B", list(range(9))) == 0
+    assert not set(m.block_ids("A")) & set(m.block_ids("B"))
+
+
+def test_hash_chains_on_the_parent():
+    h1 = hash_block(None, [1, 2])
+    assert hash_block(h1, [3, 4]) != hash_block(None, [3, 4])
+    assert hash_block(None, [1, 2]) == h1 != hash_block(None, [2, 1])
+
+
+def test_stats_count_waste_of_the_last_block_only():
+    m = KVCacheManager(num_blocks=10, block_size=16)
+    m.admit("A", list(range(20)))  # 2 blocks, 12 slots empty
+    m.fork("A", "B")  # sharing adds no physical slots
+    s = m.stats()
+    assert (s.used_blocks, s.reserved_slots, s.filled_slots) == (2, 32, 20)
+    assert s.waste == pytest.approx(12 / 32)
+    assert s.usage == pytest.approx(0.2)
+
+
+def test_bad_calls_raise():
+    m = KVCacheManager(num_blocks=4, block_size=4)
+    m.admit("A", [1])
+    with pytest.raises(ValueError, match="already"):
+        m.admit("A", [1])
+    with pytest.raises(ValueError, match="no tokens"):
+        m.admit("B", [])
+    with pytest.raises(ValueError, match="already"):
+        m.fork("A", "A")
+    with pytest.raises(ValueError):
+        m.grow("A", 0)
+    with pytest.raises(ValueError):
+        KVCacheManager(num_blocks=0)
+    m.free("A")
+    m.free("A")  # idempotent
+    assert m.num_free_blocks == 4

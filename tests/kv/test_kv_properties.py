@@ -1,0 +1,142 @@
+"""Stateful property test: random admit / grow / fork / write / free sequences keep every
+invariant of the memory model, with the prefix cache on and off.
+
+The test keeps its own picture of physical memory (what token each slot holds) and writes each
+scheduled token through the request's block table, applying the copy-on-write copies the manager
+reports first. Reading every request back through its table then checks isolation: a request only
+ever sees its own tokens, including in blocks it got from the prefix cache or shares after a fork.
+"""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+
+from pagedserve.kv import KVCacheManager
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 12
+# A tiny vocabulary and a shared opening make prefix-cache hits frequent.
+tokens = st.lists(st.integers(0, 2), min_size=1, max_size=20)
+openings = st.sampled_from([[], [0, 1, 2, 0], [0, 1, 2, 0, 1, 1, 2, 2]])
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    enable_prefix_caching = True
+
+    def __init__(self):
+        super().__init__()
+        self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, self.enable_prefix_caching)
+        self.slots: dict[int, int] = {}  # physical slot -> token id written there
+        self.tokens: dict[int, list[int]] = {}  # request -> every token it knows
+        self.next_id = 0
+
+    requests = Bundle("requests")
+
+    def _write(self, req, start, end):
+        table = self.m.block_ids(req)
+        for t in range(start, end):
+            self.slots[table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE] = self.tokens[req][t]
+
+    def _read(self, req):
+        table = self.m.block_ids(req)
+        return [self.slots.get(table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE) for t in range(self.m.num_tokens(req))]
+
+    @rule(target=requests, opening=openings, rest=tokens, chunk=st.none() | st.integers(1, 8))
+    def admit(self, opening, rest, chunk):
+        req, prompt = self.next_id, opening + rest
+        self.next_id += 1
+        cached = self.m.admit(req, prompt, num_new_tokens=chunk)
+        if cached is None:
+            assert req not in self.m
+            return None
+        self.tokens[req] = prompt
+        # The cached prefix must already hold exactly this prompt's tokens.
+        assert self._read(req)[:cached] == prompt[:cached]
+        self._write(req, cached, self.m.num_tokens(req))
+        return req
+
+    @rule(req=requests, k=st.integers(1, 6), new=tokens)
+    def grow(self, req, k, new):
+        """Schedule k more tokens: the rest of a chunked prompt first, then decoded ones."""
+        if req not in self.m:
+            return
+        n = self.m.num_tokens(req)
+        known = self.tokens[req]
+        if len(known) < n + k:
+            known += (new * k)[: n + k - len(known)]
+        copies = self.m.grow(req, k, known)
+        if copies is None:
+            assert self.m.num_tokens(req) == n
+            return
+        for src, dst in copies:
+            for i in range(BLOCK_SIZE):
+                if src * BLOCK_SIZE + i in self.slots:
+                    self.slots[dst * BLOCK_SIZE + i] = self.slots[src * BLOCK_SIZE + i]
+        self._write(req, n, n + k)
+
+    @rule(req=requests, token=st.integers(0, 2))
+    def write_one(self, req, token):
+        """A decode step: one sampled token."""
+        if req in self.m and self.m.num_tokens(req) == len(self.tokens[req]):
+            self.grow(req, 1, [token])
+
+    @rule(target=requests, req=requests)
+    def fork(self, req):
+        if req not in self.m:
+            return None
+        child = self.next_id
+        self.next_id += 1
+        self.m.fork(req, child)
+        self.tokens[child] = self.tokens[req][: self.m.num_tokens(req)]
+        return child
+
+    @rule(req=consumes(requests))
+    def free(self, req):
+        self.m.free(req)
+        self.tokens.pop(req, None)
+
+    @invariant()
+    def ref_counts_match_tables(self):
+        holders = [0] * NUM_BLOCKS
+        for req in self.tokens:
+            table = self.m.block_ids(req)
+            assert len(table) == len(set(table))
+            assert len(table) == -(-self.m.num_tokens(req) // BLOCK_SIZE)
+            for b in table:
+                holders[b] += 1
+        assert [b.ref_count for b in self.m.pool.blocks] == holders
+
+    @invariant()
+    def free_queue_holds_each_free_block_once(self):
+        queued = [b.block_id for b in self.m.pool.free_queue]
+        assert len(queued) == len(set(queued))
+        assert sorted(queued) == [b.block_id for b in self.m.pool.blocks if b.ref_count == 0]
+        s = self.m.stats()
+        assert s.free_blocks + s.used_blocks == s.total_blocks == NUM_BLOCKS
+
+    @invariant()
+    def cache_map_is_consistent(self):
+        for h, block in self.m.pool.cached.items():
+            assert block.block_hash == h
+
+    @invariant()
+    def every_request_reads_only_its_own_tokens(self):
+        for req, known in self.tokens.items():
+            assert self._read(req) == known[: self.m.num_tokens(req)]
+
+    def teardown(self):
+        for req in list(self.tokens):
+            self.m.free(req)
+        assert self.m.num_free_blocks == NUM_BLOCKS
+        assert all(b.ref_count == 0 for b in self.m.pool.blocks)
+
+
+class KVCacheMachineNoPrefixCaching(KVCacheMachine):
+    enable_prefix_caching = False
+
+
+run_settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVCacheWithPrefixCaching = KVCacheMachine.TestCase
+TestKVCacheWithPrefixCaching.settings = run_settings
+TestKVCacheWithoutPrefixCaching = KVCacheMachineNoPrefixCaching.TestCase
+TestKVCacheWithoutPrefixCaching.settings = run_settings
