@@ -1,0 +1,103 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and validation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Below this temperature a request is sampled greedily (vLLM's _SAMPLING_EPS).
+_SAMPLING_EPS = 1e-5
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Invalid values raise ValueError naming the parameter.
+
+    top_k 0 or -1 and top_p 1.0 and min_p 0.0 disable those filters; temperature 0 is greedy;
+    max_tokens None means up to the model's context limit. `stop` and `stop_token_ids` are
+    normalised to lists on construction.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self._verify()
+
+    def _verify(self) -> None:
+        def fail(name: str, rule: str) -> None:
+            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            fail("n", "an int >= 1")
+        # `not (lo <= x <= hi)` also rejects NaN.
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                fail(name, "a number in [-2, 2]")
+        if (not _is_real(self.repetition_penalty) or not self.repetition_penalty > 0
+                or math.isinf(self.repetition_penalty)):
+            fail("repetition_penalty", "a finite number > 0")
+        if not _is_real(self.temperature) or not self.temperature >= 0 or math.isinf(self.temperature):
+            fail("temperature", "a finite number >= 0")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "an int >= 1, or 0 or -1 (disabled)")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "a number in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            fail("seed", "an int or None")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", "a non-empty string, a list of non-empty strings, or None")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "a list of non-negative ints or None")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a bool")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "an int >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", "an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            fail("logprobs", "an int >= 0 or None")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
