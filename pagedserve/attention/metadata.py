@@ -1,0 +1,112 @@
+"""AttentionMetadata: where one step's new tokens go in the KV cache and what each request reads.
+
+Built once per step by the model runner and passed down to every attention layer as an argument.
+
+Conventions:
+- The batch is flat: request i owns tokens query_start_loc[i]:query_start_loc[i+1] of the step,
+  which are its context positions num_computed_tokens[i] .. seq_lens[i]-1, in order.
+- Requests may come in any order. Every request with exactly one new token (a decode step, or a
+  one-token prompt or chunk) takes the decode fast path: one gather through `decode_block_tables`
+  serves all of them at once. Requests with more new tokens (fresh prompts, prompts whose first
+  blocks came from the prefix cache, prefill chunks) are attended one request at a time.
+- Block tables are padded with block 0; padded and not-yet-written slots sit beyond a request's
+  seq_len and the causal mask hides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    # Device tensors, all int64.
+    slot_mapping: Tensor         # [num_tokens] block * block_size + offset of each new token
+    block_tables: Tensor         # [num_reqs, max_blocks] physical block ids, padded with 0
+    seq_lens: Tensor             # [num_reqs] context length after this step (computed + new)
+    query_start_loc: Tensor      # [num_reqs + 1] offsets of each request's tokens in the batch
+    positions: Tensor            # [num_tokens] context position of each new token
+    logits_indices: Tensor       # [num_reqs] index of each request's last token in the batch
+    decode_token_indices: Tensor  # [num_decodes] batch index of each one-token request's token
+    decode_block_tables: Tensor  # [num_decodes, decode_max_blocks] their block tables
+    decode_seq_lens: Tensor      # [num_decodes] their context lengths
+    # Host-side copies, so the attention loop never waits on the device.
+    block_size: int
+    seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    prefill_req_indices: list[int]  # requests with more than one new token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        num_computed_tokens: list[int],
+        num_new_tokens: list[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata for one step. Request i has num_computed_tokens[i] tokens already in its blocks
+        and runs num_new_tokens[i] new ones; block_tables[i] must cover all of them (extra blocks
+        at the end are allowed and ignored)."""
+        num_reqs = len(block_tables)
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_reqs == 0 or not num_reqs == len(num_computed_tokens) == len(num_new_tokens):
+            raise ValueError("need one block table, computed count and new count per request, and at least one request")
+        seq_lens = [c + n for c, n in zip(num_computed_tokens, num_new_tokens)]
+        needed = [-(-s // block_size) for s in seq_lens]
+        for i, (table, need) in enumerate(zip(block_tables, needed)):
+            if num_new_tokens[i] < 1 or num_computed_tokens[i] < 0:
+                raise ValueError(f"request {i}: needs at least one new token and no negative computed count")
+            if len(table) < need:
+                raise ValueError(f"request {i}: {seq_lens[i]} tokens need {need} blocks, its table has {len(table)}")
+
+        query_start_loc = [0]
+        for n in num_new_tokens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        max_blocks = max(needed)
+        padded = [list(t[:n]) + [0] * (max_blocks - n) for t, n in zip(block_tables, needed)]
+        tables = torch.tensor(padded, dtype=torch.int64)
+
+        # Per-token indices, vectorised on the host.
+        new = torch.tensor(num_new_tokens, dtype=torch.int64)
+        starts = torch.tensor(query_start_loc[:-1], dtype=torch.int64)
+        req_of_token = torch.repeat_interleave(torch.arange(num_reqs), new)
+        positions = (torch.arange(query_start_loc[-1]) - starts[req_of_token]
+                     + torch.tensor(num_computed_tokens, dtype=torch.int64)[req_of_token])
+        slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
+
+        decodes = [i for i, n in enumerate(num_new_tokens) if n == 1]
+        decode_max_blocks = max((needed[i] for i in decodes), default=0)
+        return cls(
+            slot_mapping=slots.to(device),
+            block_tables=tables.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=device),
+            positions=positions.to(device),
+            logits_indices=torch.tensor(query_start_loc[1:], dtype=torch.int64, device=device) - 1,
+            decode_token_indices=starts[decodes].to(device),
+            decode_block_tables=tables[decodes, :decode_max_blocks].to(device),
+            decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64, device=device),
+            block_size=block_size,
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=query_start_loc,
+            max_query_len=max(num_new_tokens),
+            max_seq_len=max(seq_lens),
+            num_decodes=len(decodes),
+            prefill_req_indices=[i for i, n in enumerate(num_new_tokens) if n > 1],
+        )

