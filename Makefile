@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/pagedserve bench memory
+	$(VENV)/bin/pagedserve demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -32,9 +32,137 @@ def cmd_bench_memory(args: argparse.Namespace) -> None:
         print(f"wrote {args.out_dir}/bench_memory.md and {args.out_dir}/bench_memory.png")
 
 
+EXAMPLE_CONVERSATIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for learning a new language.",
+    "What is 12 times 7?",
+    "Name three planets of the solar system.",
+    "How do I boil an egg?",
+    "What does a compiler do?",
+]
+SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and accurately."
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
+             "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "seed"]
+    return {name: getattr(args, name) for name in names}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--sampling-seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, n=args.n, stop=args.stop, seed=args.sampling_seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from pagedserve.entrypoints.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    outputs = llm.generate(args.prompts, sampling_params(args), use_tqdm=False)
+    for output in outputs:
+        for sample in output.outputs:
+            print(output.prompt + sample.text if args.echo else sample.text)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from pagedserve.entrypoints.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    conversation = [{"role": "system", "content": args.system}] if args.system else []
+    print("pagedserve chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        conversation.append({"role": "user", "content": line})
+        answer = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+        print(answer)
+        conversation.append({"role": "assistant", "content": answer})
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """A batch of example chat prompts, their answers, and what the engine did."""
+    from pagedserve.entrypoints.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    conversations = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
+                     for q in EXAMPLE_CONVERSATIONS]
+    outputs = llm.chat(conversations, sampling_params(args))
+    for conversation, output in zip(conversations, outputs):
+        print(f"\n>>> {conversation[-1]['content']}\n{output.outputs[0].text.strip()}")
+    print("\n" + format_report(llm.get_metrics()))
+
+
+def format_report(m: dict) -> str:
+    return "\n".join([
+        "engine report",
+        f"  requests            {m['requests']}",
+        f"  tokens              {m['prompt_tokens']} prompt + {m['generation_tokens']} generated",
+        f"  throughput          {m['generation_tokens_per_s']:.1f} generated tokens/s",
+        f"  KV blocks           peak {m['kv_peak_used_blocks']} of {m['kv_total_blocks']} used, "
+        f"{m['kv_waste_at_peak']:.1%} of reserved slots empty at peak",
+        f"  prefix cache        {m['prefix_cache_hits']} of {m['prefix_cache_queries']} prompt tokens hit "
+        f"({m['prefix_cache_hit_rate']:.1%})",
+        f"  preemptions         {m['preemptions']}",
+        f"  copy-on-write       {m['cow_copies']} block copies",
+    ])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="an interactive chat with the model")
+    chat.add_argument("--system", default=SYSTEM_PROMPT)
+    add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    demo = sub.add_parser("demo", help="a batch of example chat prompts and an engine report (make run)")
+    add_sampling_args(demo, max_tokens=128)
+    add_engine_args(demo)
+    demo.set_defaults(func=cmd_demo)
 
     kv = sub.add_parser("kv-calc", help="KV-cache bytes per token and per context for a model")
     kv.add_argument("--model", required=True, help="a preset (e.g. llama-3-8b), a config.json or an HF model directory")

@@ -1,0 +1,64 @@
+"""EngineConfig: every engine setting, resolved once at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in float32
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the embedded default
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context, capped by the KV pool
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def resolve_kv_pool(self, kv_bytes_per_token: int, model_max_len: int) -> tuple[int, int]:
+        """(num_kv_blocks, max_model_len) for a model with this KV footprint and context."""
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None:
+            budget = self.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            num_blocks = budget // (kv_bytes_per_token * self.block_size)
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {self.block_size} tokens")
+        capacity = num_blocks * self.block_size
+        if self.max_model_len is None:
+            return num_blocks, min(model_max_len, capacity)
+        if self.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the KV pool holds "
+                f"({num_blocks} blocks x {self.block_size} = {capacity} tokens): "
+                "raise num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
+            )
+        if self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context ({model_max_len})")
+        return num_blocks, self.max_model_len

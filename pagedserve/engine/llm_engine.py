@@ -1,0 +1,273 @@
+"""LLMEngine: the synchronous core. add_request / step / abort_request.
+
+One step: the scheduler plans, the model runner computes, the sampler picks a token for every
+request whose known tokens are all computed, and the engine appends it, detokenizes, checks the
+stop conditions and frees what finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.sampler import Sampler, SamplingBatch
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.kv import KVCacheManager, KVCacheStats
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """Running totals since the engine started."""
+
+    num_requests: int = 0  # finished user requests
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    busy_seconds: float = 0.0  # time spent inside step()
+    peak_used_blocks: int = 0
+    kv_at_peak: KVCacheStats | None = None  # the pool when it was fullest
+
+    @property
+    def generation_throughput(self) -> float:
+        return self.num_generation_tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None) -> None:
+        """`model` = (module, ModelConfig) and `tokenizer` may be passed in to share loaded weights."""
+        from pagedserve.models.loader import load_model, load_tokenizer
+
+        self.config = config = config or EngineConfig()
+        self.model, self.model_config = model or load_model(config.model, config.torch_dtype, config.device)
+        self.tokenizer = tokenizer or load_tokenizer(config.model)
+        num_blocks, self.max_model_len = config.resolve_kv_pool(
+            self.model_config.kv_bytes_per_token(config.torch_dtype), self.model_config.max_position_embeddings
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
+                                  config.torch_dtype, config.device)
+        self.sampler = Sampler(seed=config.seed)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.stats = EngineStats()
+        self._groups: dict[str, list[Request]] = {}  # user request id -> its samples
+        self._prompts: dict[str, str | None] = {}
+        self._pending_forks: dict[Hashable, list[Request]] = {}  # first sample -> samples to fork
+        self._request_counter = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, prompt_text: str | None = None) -> None:
+        """Queue a request; it joins the running batch at the next step. Bad input: ValueError."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        prompt_text = prompt_text if prompt_text is not None else text
+        self.validate_prompt(token_ids)
+        samples = []
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                # Each sample its own stream; the first uses the seed as given.
+                generator = torch.Generator(self.config.device).manual_seed((params.seed + i * 0x9E3779B1) % 2**63)
+            request = Request((request_id, i), token_ids, params, group_id=request_id, sample_index=i,
+                              generator=generator, arrival_time=arrival_time)
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop or (), include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
+            samples.append(request)
+        self._groups[request_id] = samples
+        self._prompts[request_id] = prompt_text
+        if len(samples) > 1:
+            self._pending_forks[samples[0].request_id] = samples[1:]
+        self.scheduler.add(samples[0])
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt is {len(token_ids)} tokens long, longer than max_model_len "
+                             f"({self.max_model_len})")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {vocab}")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request at once, whatever its state, and free everything it holds."""
+        for request in self._groups.pop(request_id, []):
+            if not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._pending_forks.pop(request.request_id, None)
+        self._prompts.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of every user request that advanced or finished."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.requests:
+            return []
+        # Who samples: every request whose last known token runs now, plus the samples that
+        # fork from it when it is a first sample producing its first token.
+        rows, samplers, forks = [], [], []
+        for i, (request, n) in enumerate(zip(plan.requests, plan.num_new_tokens)):
+            if request.num_computed_tokens + n < request.num_tokens:
+                continue  # a prefill chunk with more to come
+            rows.append(i)
+            samplers.append(request)
+            children = self._pending_forks.pop(request.request_id, [])
+            for child in children:
+                rows.append(i)
+                samplers.append(child)
+                forks.append((request, child))
+        logits = self.runner.execute(plan, rows)
+        self.scheduler.finish_step(plan)
+        for parent, child in forks:
+            self.scheduler.fork(parent, child)
+
+        touched: dict[str, None] = {}
+        beam_rows = [j for j, r in enumerate(samplers) if r.beam_width]
+        if beam_rows:
+            self._store_beam_candidates(logits, samplers, beam_rows)
+            keep = [j for j, r in enumerate(samplers) if not r.beam_width]
+            logits, samplers = logits[keep], [samplers[j] for j in keep]
+        if samplers:
+            batch = SamplingBatch.build(
+                [r.sampling_params for r in samplers], [r.prompt_token_ids for r in samplers],
+                [r.output_token_ids for r in samplers], [r.generator for r in samplers],
+                self.eos_token_ids, logits.device)
+            sampled = self.sampler(logits, batch)
+            now = time.monotonic()
+            for j, request in enumerate(samplers):
+                self._append_token(request, sampled, j, now)
+                touched[request.group_id] = None
+        self._record_step(time.perf_counter() - start)
+        return [self._make_output(group_id) for group_id in touched]
+
+    @staticmethod
+    def _store_beam_candidates(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        for row, j in zip(logprobs, rows):
+            values, tokens = row.topk(2 * requests[j].beam_width)
+            requests[j].beam_candidates = (values.tolist(), tokens.tolist())
+
+    def _append_token(self, request: Request, sampled, j: int, now: float) -> None:
+        token = sampled.token_ids[j]
+        params = request.sampling_params
+        request.append_token(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if request.logprobs is not None:
+            request.cumulative_logprob += sampled.logprobs[j]
+            entry = {token: Logprob(sampled.logprobs[j], sampled.ranks[j], self._decode_one(token))}
+            for rank, (tok, lp) in enumerate(sampled.top_logprobs[j] or [], start=1):
+                entry.setdefault(tok, Logprob(lp, rank, self._decode_one(tok)))
+            request.logprobs.append(entry)
+
+        # Stop conditions, in vLLM's order. None apply before min_tokens, except the length.
+        status, stop_reason = None, None
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+        # A stop token's text is left out of the output unless asked for.
+        if status is None or params.include_stop_str_in_output:
+            request.detokenizer.add_tokens([token])
+            if status is None and request.detokenizer.stop_matched:
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, request.detokenizer.stop_matched
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if status is None and (num_out >= max_tokens or request.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            request.stop_reason = stop_reason
+            request.finish_time = now
+            request.detokenizer.finish()
+            self.scheduler.finish(request, status)
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _make_output(self, group_id: str) -> RequestOutput:
+        samples = self._groups[group_id]
+        first = samples[0]
+        finished = all(r.is_finished for r in samples)
+        output = RequestOutput(
+            request_id=group_id,
+            prompt=self._prompts[group_id],
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=r.sample_index,
+                    text=r.detokenizer.text,
+                    token_ids=list(r.output_token_ids),
+                    cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                    logprobs=list(r.logprobs) if r.logprobs is not None else None,
+                    finish_reason=r.status.value if r.is_finished else None,
+                    stop_reason=r.stop_reason,
+                )
+                for r in samples
+            ],
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
+                     "finish_time": max((r.finish_time or 0.0) for r in samples) if finished else None},
+        )
+        if finished:
+            del self._groups[group_id]
+            del self._prompts[group_id]
+            self.stats.num_requests += 1
+            self.stats.num_prompt_tokens += len(first.prompt_token_ids)
+            self.stats.num_generation_tokens += sum(len(r.output_token_ids) for r in samples)
+        return output
+
+    def _record_step(self, seconds: float) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.busy_seconds += seconds
+        used = self.kv.pool.num_used
+        if used > stats.peak_used_blocks:  # rare after warm-up: the full figures are cheap enough
+            stats.peak_used_blocks = used
+            stats.kv_at_peak = self.kv.stats()
+
+    # ---- figures -------------------------------------------------------------------------
+
+    def kv_stats(self) -> KVCacheStats:
+        return self.kv.stats()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions

@@ -1,0 +1,85 @@
+"""A request as the engine tracks it: one sequence of tokens and its state.
+
+A user request with n > 1 samples becomes n Requests: the first prefills the prompt, the others
+are forked from it when its first token is sampled and share its blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # new, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        group_id: str | None = None,
+        sample_index: int = 0,
+        generator: torch.Generator | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.group_id = group_id if group_id is not None else request_id  # the user's request id
+        self.sample_index = sample_index
+        self.sampling_params = sampling_params
+        self.generator = generator
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V is in the cache
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at first admission
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Filled by the engine as tokens arrive.
+        self.logprobs: list[dict[int, Any]] | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.detokenizer: Any = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_token_time: float | None = None
+        # Beam search: the search, not the sampler, picks this request's tokens.
+        self.beam_width = 0  # > 0: a beam of a search this wide
+        self.beam_candidates: tuple[list[float], list[int]] | None = None  # top (logprobs, tokens)
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

@@ -1,0 +1,128 @@
+"""One step's plan: continuous batching with chunked prefill and preemption by recomputation.
+
+Each step, under a token budget (`max_num_batched_tokens`) and a cap on running requests
+(`max_num_seqs`):
+1. running requests, oldest first, get their next token (decode) or their next prompt chunk;
+   when the pool cannot cover one, the most recently admitted running request is preempted
+   (its blocks freed, itself sent back to the front of the queue to be recomputed later);
+2. if nobody was preempted, waiting requests are admitted in arrival order while blocks,
+   budget and seats last; each may get its cached prefix for free and its first chunk.
+
+A request is computed up to all its known tokens; it produces a new token once the step that
+computes its last known token runs. Since max_model_len never exceeds the pool, a request
+alone always fits: preemption cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.kv import BlockCopy, KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each request runs now
+    block_tables: list[list[int]] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, before writing
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, request: Request, num_new_tokens: int, block_table: list[int]) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+        self.block_tables.append(block_table)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1  # a beam waiting for its search to pick its next token
+                continue
+            copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
+            while copies is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+                copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
+            if copies is None:
+                break  # the request itself was the newest and is now waiting
+            out.add(request, num_new, self.kv.block_ids(request.request_id))
+            out.block_copies += copies
+            budget -= num_new
+            i += 1
+
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_cached = self.kv.admit(request.request_id, request.all_token_ids, num_new_tokens=budget)
+            if num_cached is None:
+                break  # not enough free blocks: keep arrival order, try again next step
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_new = self.kv.num_tokens(request.request_id) - num_cached
+            out.add(request, num_new, self.kv.block_ids(request.request_id))
+            budget -= num_new
+        return out
+
+    def finish_step(self, out: SchedulerOutput) -> None:
+        """The step ran: the scheduled tokens now have their K/V in the cache."""
+        for request, n in zip(out.requests, out.num_new_tokens):
+            request.num_computed_tokens += n
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start `child` as a running copy of `parent`, sharing all of its blocks."""
+        self.kv.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the schedule, whatever its state, and free its blocks."""
+        assert status.finished
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
