@@ -206,7 +206,7 @@ class LLMEngine:
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, token
         # A stop token's text is left out of the output unless asked for.
         if status is None or params.include_stop_str_in_output:
-            request.detokenizer.add_tokens([token])
+            request.output_text += request.detokenizer.add_tokens([token])
             if status is None and request.detokenizer.stop_matched:
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, request.detokenizer.stop_matched
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
@@ -215,7 +215,7 @@ class LLMEngine:
         if status is not None:
             request.stop_reason = stop_reason
             request.finish_time = now
-            request.detokenizer.finish()
+            request.output_text += request.detokenizer.finish()
             self.scheduler.finish(request, status)
 
     def _decode_one(self, token: int) -> str:
@@ -232,7 +232,7 @@ class LLMEngine:
             outputs=[
                 CompletionOutput(
                     index=r.sample_index,
-                    text=r.detokenizer.text,
+                    text=r.output_text,
                     token_ids=list(r.output_token_ids),
                     cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
                     logprobs=list(r.logprobs) if r.logprobs is not None else None,

@@ -57,6 +57,9 @@ class Request:
         self.logprobs: list[dict[int, Any]] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.detokenizer: Any = None
+        # Text that is final: never retracted by a stop string completing later, so a stream
+        # can send it. Equals the whole output text once the request finishes.
+        self.output_text = ""
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_token_time: float | None = None
         # Beam search: the search, not the sampler, picks this request's tokens.

@@ -274,3 +274,25 @@ def test_config_errors_are_clear(embedded_model, embedded_tokenizer):
         make_llm(embedded_model, embedded_tokenizer, num_kv_blocks=4, max_model_len=1024)
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(block_size=0)
+
+
+def test_streamed_text_only_grows_and_ends_as_the_final_text(llm, prompts, reference):
+    """Text held back while it could still be the start of a stop string is never sent early."""
+    tok = llm.get_tokenizer()
+    full = tok.decode(reference[3], skip_special_tokens=True)
+    stop = full[10:16]
+    engine = llm.llm_engine
+    engine.add_request("s", prompts[3], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop=[stop]))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step() if o.request_id == "s"]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == full[:10]
+    assert not any(stop[:3] in t for t in texts)
+
+
+@pytest.fixture(autouse=True)
+def shared_engine_is_clean_after_each_test(request):
+    yield
+    if "llm" in request.fixturenames:
+        assert_all_free(request.getfixturevalue("llm"))
