@@ -1,9 +1,11 @@
-"""Seeded synthetic workloads: length distributions and arrival times."""
+"""Seeded synthetic workloads: length distributions, arrival times, and token-id prompts that every
+system in a benchmark sees identically."""
 
 from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
 
 def log_uniform(rng: random.Random, low: int, high: int) -> int:
@@ -18,3 +20,65 @@ def poisson_arrival_steps(rng: random.Random, n: int, rate: float) -> list[int]:
         t += rng.expovariate(rate)
         steps.append(int(t))
     return steps
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    prompt_token_ids: list[int]
+    output_len: int  # forced: every system generates exactly this many tokens (ignore_eos)
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: list[WorkloadRequest]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(r.output_len * r.n for r in self.requests)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {len(self.requests)} requests, {self.num_prompt_tokens:,} prompt + "
+                f"{self.num_output_tokens:,} output tokens")
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "requests": [
+            {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len, "n": r.n} for r in self.requests]}
+
+
+def _random_tokens(rng: random.Random, n: int, vocab: range) -> list[int]:
+    return [rng.choice(vocab) for _ in range(n)]
+
+
+def sharegpt_like(num_requests: int = 64, seed: int = 0, prompt_len=(16, 512), output_len=(16, 256),
+                  vocab: range = range(100, 49000)) -> Workload:
+    """Chat-like lengths: many short prompts and answers, a few long ones."""
+    rng = random.Random(seed)
+    return Workload("sharegpt-like", [
+        WorkloadRequest(_random_tokens(rng, log_uniform(rng, *prompt_len), vocab), log_uniform(rng, *output_len))
+        for _ in range(num_requests)])
+
+
+def shared_prefix(num_requests: int = 32, seed: int = 0, prefix_len: int = 512, suffix_len=(16, 64),
+                  output_len=(16, 64), vocab: range = range(100, 49000)) -> Workload:
+    """Many requests behind one long common system prompt."""
+    rng = random.Random(seed)
+    prefix = _random_tokens(rng, prefix_len, vocab)
+    return Workload("shared-prefix", [
+        WorkloadRequest(prefix + _random_tokens(rng, log_uniform(rng, *suffix_len), vocab), log_uniform(rng, *output_len))
+        for _ in range(num_requests)])
+
+
+def parallel_sampling(num_requests: int = 16, seed: int = 0, n: int = 4, prompt_len=(16, 512),
+                      output_len=(16, 256), vocab: range = range(100, 49000)) -> Workload:
+    """n samples of each prompt (n x the output tokens)."""
+    base = sharegpt_like(num_requests, seed, prompt_len, output_len, vocab)
+    return Workload("parallel-sampling", [WorkloadRequest(r.prompt_token_ids, r.output_len, n) for r in base.requests])
+
+
+WORKLOADS = {"sharegpt-like": sharegpt_like, "shared-prefix": shared_prefix, "parallel-sampling": parallel_sampling}

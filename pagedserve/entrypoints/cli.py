@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -127,6 +128,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print("\n" + format_report(llm.get_metrics()))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from pagedserve.config import EngineConfig
+    from pagedserve.entrypoints.openai.api_server import run_server
+
+    run_server(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port, api_key=args.api_key,
+               served_model_name=args.served_model_name)
+
+
 def format_report(m: dict) -> str:
     return "\n".join([
         "engine report",
@@ -140,6 +149,68 @@ def format_report(m: dict) -> str:
         f"  preemptions         {m['preemptions']}",
         f"  copy-on-write       {m['cow_copies']} block copies",
     ])
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> None:
+    from pagedserve.bench.throughput import markdown_table, plot, run_throughput_bench
+    from pagedserve.bench.workload import WORKLOADS
+
+    workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
+    print(workload.describe())
+    results = run_throughput_bench(
+        workload, args.systems.split(","), reps=args.reps, hf_batch_sizes=tuple(args.hf_batch_sizes),
+        vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python, hf_model_dir=args.hf_model_dir,
+        engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens})
+    table = markdown_table(workload, results)
+    print(table)
+    if args.out_dir:
+        import os
+
+        os.makedirs(args.out_dir, exist_ok=True)
+        stem = os.path.join(args.out_dir, f"bench_throughput_{workload.name}")
+        with open(stem + ".md", "w") as f:
+            f.write(table + "\n")
+        plot(results, f"{workload.describe()}", stem + ".png")
+        print(f"wrote {stem}.md and {stem}.png")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": workload.describe(), "results": [r.summary() for r in results]}, f, indent=2)
+
+
+def cmd_bench_prefix(args: argparse.Namespace) -> None:
+    from pagedserve.bench.prefix import format_table, run_prefix_bench
+
+    rows = run_prefix_bench(num_requests=args.num_requests, prefix_len=args.prefix_len, seed=args.seed, reps=args.reps)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from pagedserve.bench.serving import format_report, run_serving_bench
+    from pagedserve.bench.workload import sharegpt_like
+
+    workload = sharegpt_like(num_requests=args.num_requests, seed=args.seed, output_len=(16, args.max_output_len))
+    report = asyncio.run(run_serving_bench(args.url.rstrip("/"), workload, args.request_rate, args.model_name,
+                                           seed=args.seed, api_key=args.api_key))
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def cmd_export_hf(args: argparse.Namespace) -> None:
+    """Write the embedded GGUF model as a Hugging Face directory (float32 safetensors + tokenizer),
+    for systems that want one (vLLM)."""
+    from pagedserve.bench.throughput import load_hf_reference
+    from pagedserve.models.loader import load_tokenizer
+
+    load_hf_reference().save_pretrained(args.out, safe_serialization=True)
+    load_tokenizer().save_pretrained(args.out)
+    print(f"wrote {args.out}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,6 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(demo)
     demo.set_defaults(func=cmd_demo)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="if set, /v1 routes require 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: --model, or SmolLM2-135M-Instruct)")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
     kv = sub.add_parser("kv-calc", help="KV-cache bytes per token and per context for a model")
     kv.add_argument("--model", required=True, help="a preset (e.g. llama-3-8b), a config.json or an HF model directory")
     kv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "fp8"])
@@ -183,6 +263,45 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--out-dir", default="docs", help="where the markdown table and PNG go ('' for none)")
     mem.add_argument("--json", default=None, help="also write the figures as JSON here")
     mem.set_defaults(func=cmd_bench_memory)
+
+    thr = bench.add_parser("throughput", help="pagedserve vs other systems on one workload, as ratios")
+    thr.add_argument("--workload", default="sharegpt-like", choices=["sharegpt-like", "shared-prefix", "parallel-sampling"])
+    thr.add_argument("--systems", default="pagedserve,hf-static,hf-cb,vllm,llamacpp")
+    thr.add_argument("--num-requests", type=int, default=64)
+    thr.add_argument("--seed", type=int, default=0)
+    thr.add_argument("--reps", type=int, default=3)
+    thr.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32, 64])
+    thr.add_argument("--max-num-seqs", type=int, default=256)
+    thr.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    thr.add_argument("--vllm-python", default=None, help="a Python with vllm installed (its own venv)")
+    thr.add_argument("--hf-model-dir", default=None, help="the model as an HF directory for vLLM (pagedserve export-hf)")
+    thr.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python installed")
+    thr.add_argument("--out-dir", default="docs")
+    thr.add_argument("--json", default=None)
+    thr.set_defaults(func=cmd_bench_throughput)
+
+    pre = bench.add_parser("prefix", help="shared-prefix workload with prefix caching on vs off")
+    pre.add_argument("--num-requests", type=int, default=32)
+    pre.add_argument("--prefix-len", type=int, default=512)
+    pre.add_argument("--seed", type=int, default=0)
+    pre.add_argument("--reps", type=int, default=1)
+    pre.add_argument("--json", default=None)
+    pre.set_defaults(func=cmd_bench_prefix)
+
+    srv = bench.add_parser("serving", help="load generator against an OpenAI-compatible server")
+    srv.add_argument("--url", default="http://127.0.0.1:8000")
+    srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
+    srv.add_argument("--num-requests", type=int, default=64)
+    srv.add_argument("--max-output-len", type=int, default=256)
+    srv.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="the model name the server serves")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--json", default=None)
+    srv.set_defaults(func=cmd_bench_serving)
+
+    exp = sub.add_parser("export-hf", help="write the embedded model as an HF directory (for vLLM)")
+    exp.add_argument("--out", required=True)
+    exp.set_defaults(func=cmd_export_hf)
     return parser
 
 

@@ -1,0 +1,31 @@
+"""Runs a pagedserve benchmark workload on vLLM. Executed by vLLM's own Python (its own virtual
+environment), so it imports nothing from pagedserve. Prints one JSON line: seconds per repetition."""
+
+import json
+import sys
+import time
+
+spec = json.load(open(sys.argv[1]))
+import vllm  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+requests = spec["workload"]["requests"]
+llm = LLM(model=spec["model"], dtype="float32", seed=0, enable_prefix_caching=spec.get("prefix_caching", True))
+prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+params = [SamplingParams(n=r["n"], max_tokens=r["output_len"], ignore_eos=True,
+                         temperature=0.0 if r["n"] == 1 else 1.0, seed=i) for i, r in enumerate(requests)]
+
+
+def run():
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.token_ids) for out in outputs for o in out.outputs)
+
+
+run()  # warm-up
+seconds, produced = [], 0
+for _ in range(spec["reps"]):
+    start = time.perf_counter()
+    produced = run()
+    seconds.append(time.perf_counter() - start)
+print(json.dumps({"seconds": seconds, "output_tokens": produced, "note": f"vLLM {vllm.__version__}, float32"}))

@@ -1,0 +1,130 @@
+"""`pagedserve bench serving`: an async load generator against any OpenAI-compatible server.
+
+Requests of a seeded workload (token-id prompts, fixed output lengths) are sent as streaming
+`/v1/completions` calls with Poisson arrivals at `request_rate` per second (inf = all at once).
+For each request the client records time to first token (TTFT), the gaps between streamed
+chunks (inter-token latency, ITL), time per output token after the first (TPOT) and end-to-end
+latency; the report gives p50/p90/p99 of each and request and token throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from tqdm.auto import tqdm
+
+from pagedserve.bench.workload import Workload
+
+
+@dataclass
+class RequestRecord:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
+                       api_key: str | None) -> RequestRecord:
+    record = RequestRecord(prompt_tokens=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if record.ttft == 0.0:
+                        record.ttft = now - start
+                    else:
+                        record.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+        record.e2e = time.perf_counter() - start
+        record.ok = True
+    except httpx.HTTPError as e:
+        record.error = repr(e)
+    return record
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"mean": statistics.fmean(values), "p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+async def run_serving_bench(url: str, workload: Workload, request_rate: float, model: str, seed: int = 0,
+                            api_key: str | None = None, progress: bool = True) -> dict:
+    rng = random.Random(seed)
+    pending = []
+    bar = tqdm(total=len(workload.requests), desc="requests", disable=not progress)
+    limits = httpx.Limits(max_connections=len(workload.requests))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def send(r):
+            record = await _one_request(client, url, model, r.prompt_token_ids, r.output_len, api_key)
+            bar.update(1)
+            return record
+
+        for r in workload.requests:
+            pending.append(asyncio.create_task(send(r)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        records = await asyncio.gather(*pending)
+        duration = time.perf_counter() - start
+    bar.close()
+    ok = [r for r in records if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "url": url,
+        "workload": workload.describe(),
+        "request_rate": request_rate,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (sum(r.prompt_tokens for r in ok) + output_tokens) / duration,
+        "ttft_s": percentiles([r.ttft for r in ok]),
+        "tpot_s": percentiles([t for r in ok if (t := r.tpot) is not None]),
+        "itl_s": percentiles([x for r in ok for x in r.itl]),
+        "e2e_s": percentiles([r.e2e for r in ok]),
+    }
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{report['workload']} at {report['request_rate']} req/s against {report['url']}",
+             f"completed {report['completed']}, failed {report['failed']} in {report['duration_s']:.1f} s",
+             f"request throughput {report['request_throughput']:.2f} req/s, output {report['output_throughput']:.1f} tok/s, "
+             f"total {report['total_token_throughput']:.1f} tok/s", "",
+             "| latency (ms) | mean | p50 | p90 | p99 |", "|---|---:|---:|---:|---:|"]
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        p = report[name]
+        lines.append(f"| {name[:-2].upper()} | {p['mean'] * 1e3:.1f} | {p['p50'] * 1e3:.1f} | {p['p90'] * 1e3:.1f} | "
+                     f"{p['p99'] * 1e3:.1f} |")
+    return "\n".join(lines)

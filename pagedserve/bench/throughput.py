@@ -1,0 +1,243 @@
+"""`pagedserve bench throughput`: pagedserve and the systems users would otherwise pick, run on the
+same token-id workload in one invocation, reported as ratios to pagedserve.
+
+Systems:
+- pagedserve: this engine (`LLM.generate`, greedy, ignore_eos so outputs have their set length);
+- hf-static: transformers `generate` in left-padded static batches (the contiguous-cache system:
+  each batch runs until its longest output ends, and its cache is sized for that);
+- hf-cb: transformers' own continuous batching (`init_continuous_batching`), if present;
+- vllm / llamacpp: run by their own Python (`--vllm-python`, `--llamacpp-python`) as
+  subprocesses over the same workload; skipped with a message when not given or not importable.
+Every system runs the same weights: the embedded SmolLM2 in float32, except llama.cpp which
+runs the GGUF (Q4_1) natively.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.bench.workload import Workload
+
+DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
+
+
+@dataclass
+class SystemResult:
+    system: str
+    seconds: list[float] = field(default_factory=list)  # one per repetition
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    note: str = ""
+    skipped: str | None = None  # why it did not run
+
+    def output_tps(self, pick=statistics.median) -> float:
+        return self.output_tokens / pick(self.seconds)
+
+    def total_tps(self, pick=statistics.median) -> float:
+        return (self.prompt_tokens + self.output_tokens) / pick(self.seconds)
+
+    def summary(self) -> dict:
+        if self.skipped:
+            return {"system": self.system, "skipped": self.skipped}
+        return {
+            "system": self.system, "note": self.note, "seconds": self.seconds,
+            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "output_tps_median": self.output_tps(), "output_tps_min": self.output_tps(max),
+            "output_tps_max": self.output_tps(min), "total_tps_median": self.total_tps(),
+        }
+
+
+def timed(run, reps: int) -> list[float]:
+    """Run once to warm up, then `reps` timed repetitions."""
+    run()
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+# ---- the systems -----------------------------------------------------------------------------
+
+
+def run_pagedserve(workload: Workload, reps: int, model, tokenizer, **engine_kwargs) -> SystemResult:
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM.from_engine(LLMEngine(EngineConfig(**engine_kwargs), model=model, tokenizer=tokenizer))
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    params = [SamplingParams(n=r.n, max_tokens=r.output_len, temperature=0.0 if r.n == 1 else 1.0, seed=i,
+                             ignore_eos=True) for i, r in enumerate(workload.requests)]
+
+    def run():
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        produced = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+        assert produced == workload.num_output_tokens, (produced, workload.num_output_tokens)
+
+    return SystemResult("pagedserve", timed(run, reps), workload.num_prompt_tokens, workload.num_output_tokens,
+                        note=f"paged KV, block {llm.llm_engine.config.block_size}")
+
+
+def _hf_generation_kwargs(n: int) -> dict:
+    sampling = dict(do_sample=True, temperature=1.0, num_return_sequences=n) if n > 1 else dict(do_sample=False)
+    # No eos: every sequence runs to its set length, as with ignore_eos.
+    return dict(eos_token_id=None, pad_token_id=0, **sampling)
+
+
+def run_hf_static(workload: Workload, reps: int, hf_model, batch_size: int) -> SystemResult:
+    """Static batching: fixed batches in arrival order, each padded to its longest prompt and run
+    to its longest output; useful output = each request's own length."""
+    reqs = workload.requests
+    batches = [reqs[i : i + batch_size] for i in range(0, len(reqs), batch_size)]
+
+    def run():
+        for batch in batches:
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+            mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
+            steps = max(r.output_len for r in batch)
+            with torch.inference_mode():
+                hf_model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                                  **_hf_generation_kwargs(batch[0].n))
+
+    return SystemResult(f"hf-static (batch {batch_size})", timed(run, reps), workload.num_prompt_tokens,
+                        workload.num_output_tokens, note="transformers generate, padded static batches")
+
+
+def run_hf_cb(workload: Workload, reps: int, hf_model) -> SystemResult:
+    """transformers' continuous batching manager, one request per workload request."""
+    if not hasattr(hf_model, "init_continuous_batching"):
+        return SystemResult("hf-cb", skipped="this transformers has no continuous batching")
+    from transformers import GenerationConfig
+
+    if any(r.n > 1 for r in workload.requests):
+        return SystemResult("hf-cb", skipped="parallel sampling is not driven through hf-cb here")
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def run():
+        manager = hf_model.init_continuous_batching(generation_config=config)
+        manager.start()
+        try:
+            for i, r in enumerate(workload.requests):
+                manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.output_len)
+            done = 0
+            while done < len(workload.requests):
+                result = manager.get_result(timeout=60)
+                if result is None:
+                    raise RuntimeError("transformers' continuous batching stalled")
+                if result.is_finished():
+                    done += 1
+        finally:
+            manager.stop(block=True)
+
+    return SystemResult("hf-cb", timed(run, reps), workload.num_prompt_tokens, workload.num_output_tokens,
+                        note="transformers continuous batching")
+
+
+def run_external(system: str, python: str | None, workload: Workload, reps: int, model_path: str,
+                 extra: dict) -> SystemResult:
+    """vllm / llamacpp: a driver script run by that system's own Python, timing inside."""
+    if not python:
+        return SystemResult(system, skipped=f"not run: pass --{system}-python PATH to a Python that has it")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = os.path.join(tmp, "workload.json")
+        with open(spec, "w") as f:
+            json.dump({"workload": workload.to_json(), "model": model_path, "reps": reps, **extra}, f)
+        driver = os.path.join(DRIVERS, f"{system}_driver.py")
+        proc = subprocess.run([python, driver, spec], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return SystemResult(system, skipped=f"failed: {proc.stderr.strip().splitlines()[-1:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return SystemResult(system, report["seconds"], workload.num_prompt_tokens, report["output_tokens"],
+                        note=report.get("note", ""))
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+
+def markdown_table(workload: Workload, results: list[SystemResult]) -> str:
+    ours = next(r for r in results if r.system == "pagedserve" and not r.skipped)
+    lines = [f"Workload {workload.describe()}; median of {len(ours.seconds)} runs (min..max).", "",
+             "| system | output tok/s | total tok/s | output vs pagedserve | notes |", "|---|---:|---:|---:|---|"]
+    for r in results:
+        if r.skipped:
+            lines.append(f"| {r.system} | - | - | - | {r.skipped} |")
+            continue
+        lines.append(f"| {r.system} | {r.output_tps():.1f} ({r.output_tps(max):.1f}..{r.output_tps(min):.1f}) | "
+                     f"{r.total_tps():.1f} | {r.output_tps() / ours.output_tps():.2f}x | {r.note} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[SystemResult], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in results if not r.skipped]
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.5 * len(ran)))
+    ax.barh([r.system for r in ran][::-1], [r.output_tps() for r in ran][::-1], color="tab:blue")
+    ax.set_xlabel("output tokens/s (median)")
+    ax.set_title(title)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, hf_batch_sizes=(8, 32, 64),
+                         vllm_python: str | None = None, llamacpp_python: str | None = None,
+                         hf_model_dir: str | None = None, engine_kwargs: dict | None = None,
+                         log=print) -> list[SystemResult]:
+    from pagedserve.models.loader import embedded_model_path, load_model, load_tokenizer
+
+    results = []
+    model = tokenizer = hf_model = None
+    for system in systems:
+        log(f"running {system} ...")
+        if system == "pagedserve":
+            model, tokenizer = model or load_model(), tokenizer or load_tokenizer()
+            results.append(run_pagedserve(workload, reps, model, tokenizer, **(engine_kwargs or {})))
+        elif system in ("hf-static", "hf-cb"):
+            hf_model = hf_model or load_hf_reference()
+            if system == "hf-cb":
+                results.append(run_hf_cb(workload, reps, hf_model))
+            else:
+                results += [run_hf_static(workload, reps, hf_model, b) for b in hf_batch_sizes]
+        elif system == "vllm":
+            results.append(run_external("vllm", vllm_python, workload, reps, hf_model_dir or "", {}))
+        elif system == "llamacpp":
+            results.append(run_external("llamacpp", llamacpp_python, workload, reps, embedded_model_path(),
+                                        {"threads": os.cpu_count()}))
+        else:
+            raise ValueError(f"unknown system {system!r}: choose from pagedserve, hf-static, hf-cb, vllm, llamacpp")
+        log("  " + json.dumps(results[-1].summary())[:300])
+    return results
+
+
+def load_hf_reference():
+    """transformers' own load of the embedded GGUF, float32, sdpa attention."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.models.loader import embedded_model_path
+
+    path = Path(embedded_model_path())
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+if __name__ == "__main__":
+    sys.exit("use `pagedserve bench throughput`")

@@ -1,0 +1,47 @@
+"""The throughput bench's machinery on a tiny model: every system produces exactly the workload's
+tokens and the table reports ratios to pagedserve. (No timing is asserted.)"""
+
+import pytest
+
+from pagedserve.bench.throughput import (SystemResult, markdown_table, plot, run_external, run_hf_cb,
+                                         run_hf_static, run_pagedserve)
+from pagedserve.bench.workload import parallel_sampling, sharegpt_like
+from pagedserve.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint, embedded_tokenizer):
+    path, hf_model = tiny_checkpoint("llama")
+    return load_model(str(path)), embedded_tokenizer, hf_model
+
+
+def small(workload):
+    return workload(num_requests=3, seed=0, prompt_len=(4, 20), output_len=(2, 6), vocab=range(3, 120))
+
+
+def test_every_system_runs_the_same_tokens(tiny, tmp_path):
+    model, tokenizer, hf_model = tiny
+    workload = small(sharegpt_like)
+    results = [run_pagedserve(workload, 2, model, tokenizer, num_kv_blocks=64, max_model_len=256),
+               run_hf_static(workload, 1, hf_model, batch_size=2),
+               run_hf_cb(workload, 1, hf_model),
+               run_external("vllm", None, workload, 1, "", {})]
+    assert len(results[0].seconds) == 2
+    assert all(r.output_tokens == workload.num_output_tokens for r in results[:3])
+    assert "--vllm-python" in results[3].skipped
+    table = markdown_table(workload, results)
+    assert "| pagedserve |" in table and "1.00x" in table and "hf-static (batch 2)" in table
+    plot(results, "tiny", str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 5000
+
+
+def test_parallel_sampling_counts_every_sample(tiny):
+    model, tokenizer, _ = tiny
+    workload = small(parallel_sampling)
+    result = run_pagedserve(workload, 1, model, tokenizer, num_kv_blocks=64, max_model_len=256)
+    assert result.output_tokens == workload.num_output_tokens == 4 * sum(r.output_len for r in workload.requests)
+
+
+def test_ratios_use_the_median():
+    r = SystemResult("x", seconds=[1.0, 4.0, 2.0], prompt_tokens=10, output_tokens=20)
+    assert r.output_tps() == 10.0 and r.output_tps(min) == 20.0 and r.total_tps() == 15.0

@@ -1,0 +1,22 @@
+from pagedserve.bench.workload import WORKLOADS, parallel_sampling, shared_prefix, sharegpt_like
+
+
+def test_workloads_are_seeded_and_bounded():
+    a, b = sharegpt_like(20, seed=1), sharegpt_like(20, seed=1)
+    assert a == b and a != sharegpt_like(20, seed=2)
+    assert all(16 <= len(r.prompt_token_ids) <= 512 and 16 <= r.output_len <= 256 for r in a.requests)
+    assert a.num_prompt_tokens == sum(len(r.prompt_token_ids) for r in a.requests)
+
+
+def test_shared_prefix_requests_share_their_opening():
+    w = shared_prefix(8, prefix_len=64)
+    first = w.requests[0].prompt_token_ids[:64]
+    assert all(r.prompt_token_ids[:64] == first and len(r.prompt_token_ids) > 64 for r in w.requests)
+
+
+def test_parallel_sampling_multiplies_outputs():
+    w = parallel_sampling(4, n=4)
+    assert all(r.n == 4 for r in w.requests)
+    assert w.num_output_tokens == 4 * sum(r.output_len for r in w.requests)
+    assert set(WORKLOADS) == {"sharegpt-like", "shared-prefix", "parallel-sampling"}
+    assert w.to_json()["requests"][0]["n"] == 4
