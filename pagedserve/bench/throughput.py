@@ -147,20 +147,21 @@ def run_hf_cb(workload: Workload, reps: int, hf_model) -> SystemResult:
 
 
 def run_external(system: str, python: str | None, workload: Workload, reps: int, model_path: str,
-                 extra: dict) -> SystemResult:
+                 extra: dict, env: dict | None = None, label: str | None = None) -> SystemResult:
     """vllm / llamacpp: a driver script run by that system's own Python, timing inside."""
+    label = label or system
     if not python:
-        return SystemResult(system, skipped=f"not run: pass --{system}-python PATH to a Python that has it")
+        return SystemResult(label, skipped=f"not run: pass --{system}-python PATH to a Python that has it")
     with tempfile.TemporaryDirectory() as tmp:
         spec = os.path.join(tmp, "workload.json")
         with open(spec, "w") as f:
             json.dump({"workload": workload.to_json(), "model": model_path, "reps": reps, **extra}, f)
         driver = os.path.join(DRIVERS, f"{system}_driver.py")
-        proc = subprocess.run([python, driver, spec], capture_output=True, text=True)
+        proc = subprocess.run([python, driver, spec], capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
-        return SystemResult(system, skipped=f"failed: {proc.stderr.strip().splitlines()[-1:]}")
+        return SystemResult(label, skipped=f"failed: {proc.stderr.strip().splitlines()[-1:]}")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    return SystemResult(system, report["seconds"], workload.num_prompt_tokens, report["output_tokens"],
+    return SystemResult(label, report["seconds"], workload.num_prompt_tokens, report["output_tokens"],
                         note=report.get("note", ""))
 
 
@@ -217,7 +218,14 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
             else:
                 results += [run_hf_static(workload, reps, hf_model, b) for b in hf_batch_sizes]
         elif system == "vllm":
-            results.append(run_external("vllm", vllm_python, workload, reps, hf_model_dir or "", {}))
+            # vLLM's CPU default computes on all cores but one; also try it on every core.
+            results.append(run_external("vllm", vllm_python, workload, reps, hf_model_dir or "", {},
+                                        label="vllm (default threads)"))
+            if vllm_python:
+                results.append(run_external("vllm", vllm_python, workload, reps, hf_model_dir or "", {},
+                                            env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+                                                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                                            label=f"vllm ({os.cpu_count()} threads)"))
         elif system == "llamacpp":
             results.append(run_external("llamacpp", llamacpp_python, workload, reps, embedded_model_path(),
                                         {"threads": os.cpu_count()}))

@@ -208,7 +208,14 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
     from pagedserve.bench.throughput import load_hf_reference
     from pagedserve.models.loader import load_tokenizer
 
-    load_hf_reference().save_pretrained(args.out, safe_serialization=True)
+    from transformers import AutoModelForCausalLM
+
+    gguf_model = load_hf_reference()
+    config = gguf_model.config
+    del config.quantization_config  # the weights below are already dequantized to float32
+    model = AutoModelForCausalLM.from_config(config, dtype=gguf_model.dtype)
+    model.load_state_dict(gguf_model.state_dict())
+    model.save_pretrained(args.out, safe_serialization=True)
     load_tokenizer().save_pretrained(args.out)
     print(f"wrote {args.out}")
 
