@@ -1,0 +1,279 @@
+"""AsyncLLMEngine: an asyncio front over the synchronous LLMEngine, for the server.
+
+LLMEngine is not thread-safe, so one thread owns it. That thread sleeps while there is no work;
+otherwise it applies the adds and aborts queued since its last step, runs one step, and hands
+each request's output to the request's stream on the caller's event loop. A request that
+arrives at any time joins the running batch at the next step (continuous batching across
+clients). Readers on other threads see the engine only through `stats`, a snapshot the engine
+thread replaces after every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.kv import KVCacheStats
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request: a server fault, not the client's."""
+
+
+@dataclass(frozen=True)
+class EngineStatsSnapshot:
+    """The engine's figures after a step. Counts are per sequence (a request with n samples is n)."""
+
+    num_running: int
+    num_waiting: int
+    kv: KVCacheStats
+    num_preemptions: int
+    num_prompt_tokens: int  # counted once a prompt has been computed
+    num_generation_tokens: int  # counted as they are generated, aborted requests included
+    finished: dict[str, int]  # "stop" / "length" / "abort" / "error" -> sequences
+
+
+class RequestStream:
+    """One request's outputs: put by the engine thread, read on the event loop.
+
+    Outputs are cumulative, so a reader that fell behind needs only the newest one."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self.finished = False  # read on the event loop only
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+    async def get(self) -> RequestOutput:
+        item = await self._queue.get()
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    prompt_text: str | None
+    arrival_time: float
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Entry:
+    """A request in the engine, as the engine thread tracks it."""
+
+    stream: RequestStream
+    num_seqs: int
+    num_output_tokens: int = 0  # already counted in the stats
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []  # guarded by _cond
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._finish_hooks: tuple[Callable[[RequestOutput], None], ...] = ()
+        # Engine thread only.
+        self._entries: dict[str, _Entry] = {}
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._finished: Counter[str] = Counter()
+        self.stats = self._snapshot()
+
+    # ---- facts that never change: safe to read from any thread ----------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        assert self._thread is None, "already started"
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; requests still in flight fail with EngineError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def add_finish_hook(self, hook: Callable[[RequestOutput], None]) -> None:
+        """Call `hook(output)` on the engine thread with the last output of each request that
+        finishes (not aborted, not failed). Add hooks before serving."""
+        self._finish_hooks = (*self._finish_hooks, hook)
+
+    # ---- requests (event loop) -----------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes.
+
+        A request the engine refuses raises ValueError; an engine fault raises EngineError.
+        Leaving early (break and close, or cancellation) aborts the request."""
+        stream = RequestStream(asyncio.get_running_loop())
+        self._submit(_Add(request_id, prompt, params, prompt_text, time.monotonic(), stream))
+        try:
+            while not stream.finished:
+                yield await stream.get()
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are free after the engine's current step. Thread-safe."""
+        self._submit(_Abort(request_id))
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            if self._stopping:
+                if isinstance(command, _Abort):
+                    return  # shutdown aborts everything anyway
+                raise EngineError("the engine is shut down")
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                    self._cond.wait()  # idle: sleep until a request arrives
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            if stopping:
+                self._stop(commands)
+                return
+            for command in commands:
+                self._apply(command)
+            deliveries = self._step() if engine.has_unfinished_requests() else []
+            # Publish before delivering: a client that got its last output sees the figures after it.
+            self.stats = self._snapshot()
+            for stream, item in deliveries:
+                stream.put(item)
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            entry = self._entries.pop(command.request_id, None)
+            if entry is not None:  # else finished already, or never added
+                self.engine.abort_request(command.request_id)
+                self._finished["abort"] += entry.num_seqs
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    arrival_time=command.arrival_time, prompt_text=command.prompt_text)
+        except ValueError as e:  # the client's mistake
+            command.stream.put(e)
+            return
+        except Exception as e:
+            logger.exception("adding request %s failed", command.request_id)
+            command.stream.put(EngineError(f"the engine failed to add the request: {e!r}"))
+            return
+        self._entries[command.request_id] = _Entry(command.stream, command.params.n)
+
+    def _step(self) -> list[tuple[RequestStream, RequestOutput | Exception]]:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # Fail what is in flight, free its blocks, keep serving.
+            logger.exception("engine step failed; failing %d request(s)", len(self._entries))
+            return self._fail_all(EngineError(f"the engine failed while running this request: {e!r}"))
+        deliveries = []
+        for output in outputs:
+            entry = self._entries.get(output.request_id)
+            if entry is None:
+                continue
+            if entry.num_output_tokens == 0:  # its first output: the prompt has been computed
+                self._num_prompt_tokens += len(output.prompt_token_ids)
+            num_tokens = sum(len(o.token_ids) for o in output.outputs)
+            self._num_generation_tokens += num_tokens - entry.num_output_tokens
+            entry.num_output_tokens = num_tokens
+            if output.finished:
+                del self._entries[output.request_id]
+                self._finished.update(o.finish_reason for o in output.outputs)
+                for hook in self._finish_hooks:
+                    try:
+                        hook(output)
+                    except Exception:
+                        logger.exception("finish hook failed")
+            deliveries.append((entry.stream, output))
+        return deliveries
+
+    def _fail_all(self, error: Exception) -> list[tuple[RequestStream, Exception]]:
+        deliveries = []
+        for request_id, entry in self._entries.items():
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+            self._finished["error"] += entry.num_seqs
+            deliveries.append((entry.stream, error))
+        self._entries.clear()
+        return deliveries
+
+    def _stop(self, commands: list[_Add | _Abort]) -> None:
+        error = EngineError("the engine is shut down")
+        for command in commands:
+            if isinstance(command, _Add):
+                command.stream.put(error)
+        for stream, item in self._fail_all(error):
+            stream.put(item)
+        self.stats = self._snapshot()
+
+    def _snapshot(self) -> EngineStatsSnapshot:
+        scheduler = self.engine.scheduler
+        return EngineStatsSnapshot(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv=self.engine.kv_stats(),
+            num_preemptions=self.engine.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            finished=dict(self._finished),
+        )

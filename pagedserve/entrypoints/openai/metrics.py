@@ -1,0 +1,90 @@
+"""Prometheus metrics for /metrics, named as vLLM names them where vLLM has the figure.
+
+Each app gets its own CollectorRegistry, so two servers can live in one process. Gauges and
+counters are read at scrape time from the engine thread's latest stats snapshot; the latency
+histograms are fed by a hook as each request finishes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        s = self.engine.stats
+        label = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            metric = GaugeMetricFamily(name, doc, labels=["model_name"])
+            metric.add_metric(label, value)
+            return metric
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            metric = CounterMetricFamily(name, doc, labels=["model_name"])
+            metric.add_metric(label, value)
+            return metric
+
+        yield gauge("vllm:num_requests_running", "Sequences running (in the batch).", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv.usage)
+        yield gauge("pagedserve:kv_cache_total_blocks", "KV blocks in the pool.", s.kv.total_blocks)
+        yield gauge("pagedserve:kv_cache_free_blocks", "KV blocks free (cached prefixes included).",
+                    s.kv.free_blocks)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.kv.prefix_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.kv.prefix_hits)
+        yield counter("vllm:num_preemptions", "Sequences preempted (to be recomputed).", s.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Prompt tokens computed.", s.num_prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated.", s.num_generation_tokens)
+        finished = CounterMetricFamily("vllm:request_success", "Sequences that ended, by reason.",
+                                       labels=["model_name", "finished_reason"])
+        for reason in FINISH_REASONS:
+            finished.add_metric([self.model_name, reason], s.finished.get(reason, 0))
+        yield finished
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=LATENCY_BUCKETS,
+                             registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
+                                             "From arrival to the first generated token.")
+        self.time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
+                                               "Per request: mean time between its generated tokens.")
+        self.e2e_latency = histogram("vllm:e2e_request_latency_seconds", "From arrival to the last token.")
+        engine.add_finish_hook(self.observe_finished)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        arrival, first, finish = m.get("arrival_time"), m.get("first_token_time"), m.get("finish_time")
+        if None in (arrival, first, finish):
+            return
+        self.time_to_first_token.observe(first - arrival)
+        self.e2e_latency.observe(finish - arrival)
+        num_tokens = max(len(o.token_ids) for o in output.outputs)
+        if num_tokens > 1:
+            self.time_per_output_token.observe((finish - first) / (num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,86 @@
+"""Test helpers for the server: run an app on real uvicorn on a free loopback port in a thread, and
+read /metrics with prometheus-client's parser."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.llm_engine import LLMEngine
+
+MODEL = "smollm2-test"
+
+
+@contextmanager
+def serve(app) -> Iterator[str]:
+    """Run `app` on uvicorn in a thread; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # the OS picks a free port; holding the socket leaves no race
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@dataclass
+class Server:
+    url: str
+    engine: LLMEngine
+    async_engine: AsyncLLMEngine
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
+                             **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        return read_metrics(self.url)
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """/metrics once nothing runs or waits (aborts take effect within a step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"still busy after {timeout}s: {m}"
+            time.sleep(0.05)
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """Sample name (plus any label but model_name, after ':') -> value, via prometheus-client's parser."""
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200
+    values = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = [v for k, v in sorted(sample.labels.items()) if k != "model_name"]
+            values[":".join([sample.name, *labels])] = sample.value
+    return values
+
+
+def assert_all_free(m: dict[str, float]) -> None:
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert m["pagedserve:kv_cache_free_blocks"] == m["pagedserve:kv_cache_total_blocks"] > 0
+    assert m["vllm:kv_cache_usage_perc"] == 0
