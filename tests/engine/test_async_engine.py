@@ -25,10 +25,12 @@ def engine(embedded_model, embedded_tokenizer):
 
 @pytest.fixture(scope="module")
 def reference(embedded_model, embedded_tokenizer):
-    """Each prompt's greedy tokens from the offline API, alone."""
+    """Each prompt's greedy tokens from the offline API (one batch: the engine's outputs do not
+    depend on the batch, tests/engine/test_llm_engine.py holds that)."""
     llm = LLM.from_engine(LLMEngine(EngineConfig(num_kv_blocks=64, max_model_len=1024), model=embedded_model,
                                     tokenizer=embedded_tokenizer))
-    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return {p: o.outputs[0].token_ids for p, o in zip(PROMPTS, outputs)}
 
 
 @pytest.fixture
