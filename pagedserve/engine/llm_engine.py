@@ -86,6 +86,10 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         prompt_text = prompt_text if prompt_text is not None else text
         self.validate_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is out of range for a vocabulary of {vocab}")
         samples = []
         for i in range(params.n):
             generator = None

@@ -259,6 +259,8 @@ def test_bad_requests_raise_value_errors(llm, prompts):
         llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
     with pytest.raises(ValueError, match="out of range"):
         llm.generate([{"prompt_token_ids": [10**7]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(["hi"], SamplingParams(stop_token_ids=[10**6], min_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         llm.generate(["hi"], SamplingParams(temperature=-1.0), use_tqdm=False)
     # A bad prompt in a batch leaves nothing behind, and the engine keeps serving.
