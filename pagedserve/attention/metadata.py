@@ -11,14 +11,34 @@ Conventions:
   blocks came from the prefix cache, prefill chunks) are attended one request at a time.
 - Block tables are padded with block 0; padded and not-yet-written slots sit beyond a request's
   seq_len and the causal mask hides them.
+- `decode_groups` split the one-token requests into a few groups of similar context length, so
+  that padding each group to its longest member reads little more K/V than the requests own.
+  Everything here is computed once per step; attention layers only index with it, and may keep
+  per-step tensors they derive from it (masks) in `cache`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
+
+# A new decode group starts when a request's context is shorter than this share of the group's
+# longest: padding then wastes under half the K/V a group reads, in a handful of groups.
+DECODE_GROUP_RATIO = 0.8
+DECODE_GROUP_MAX_KEYS = 2048
+
+
+@dataclass
+class DecodeGroup:
+    """One-token requests attended together, each padded to the group's longest context."""
+
+    token_indices: Tensor  # [n] batch index of each request's token
+    block_ids: Tensor      # [n * num_blocks] their block tables, padded with block 0, flattened
+    seq_lens: Tensor       # [n] context lengths (the new token's position + 1)
+    num_blocks: int        # blocks read per request
 
 
 @dataclass
@@ -41,6 +61,10 @@ class AttentionMetadata:
     max_seq_len: int
     num_decodes: int
     prefill_req_indices: list[int]  # requests with more than one new token
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # Per-step tensors that attention layers derive from the above (e.g. masks), built by the
+    # first layer that needs them and reused by the others.
+    cache: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +116,16 @@ class AttentionMetadata:
 
         decodes = [i for i, n in enumerate(num_new_tokens) if n == 1]
         decode_max_blocks = max((needed[i] for i in decodes), default=0)
+        groups = []
+        for members in _group_by_length(sorted(decodes, key=lambda i: -seq_lens[i]), seq_lens):
+            idx = torch.tensor(members, dtype=torch.int64)
+            num_blocks = needed[members[0]]
+            groups.append(DecodeGroup(
+                token_indices=starts[idx].to(device),
+                block_ids=tables[idx, :num_blocks].flatten().to(device),
+                seq_lens=torch.tensor([seq_lens[i] for i in members], dtype=torch.int64, device=device),
+                num_blocks=num_blocks,
+            ))
         return cls(
             slot_mapping=slots.to(device),
             block_tables=tables.to(device),
@@ -109,4 +143,17 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens),
             num_decodes=len(decodes),
             prefill_req_indices=[i for i, n in enumerate(num_new_tokens) if n > 1],
+            decode_groups=groups,
         )
+
+
+def _group_by_length(reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Split requests sorted by decreasing length into runs whose shortest member is at least
+    DECODE_GROUP_RATIO of the run's longest."""
+    groups: list[list[int]] = []
+    for i in reqs:
+        if (not groups or seq_lens[i] < DECODE_GROUP_RATIO * seq_lens[groups[-1][0]]
+                or (len(groups[-1]) + 1) * seq_lens[groups[-1][0]] > DECODE_GROUP_MAX_KEYS):
+            groups.append([])
+        groups[-1].append(i)
+    return groups

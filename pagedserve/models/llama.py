@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import KVCache, paged_attention
+from pagedserve.attention.sdpa import paged_attention
+from pagedserve.attention.torch_ref import KVCache
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 

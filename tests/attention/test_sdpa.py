@@ -1,0 +1,86 @@
+"""The fast paged attention (attention/sdpa.py) against the oracle (attention/torch_ref.py) on random
+mixed steps: same outputs, same cache contents, whatever the grouping of the decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.attention import metadata, sdpa, torch_ref
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+@st.composite
+def steps(draw):
+    """A mixed step: per request (tokens already cached, new tokens), decodes of varied lengths
+    (several decode groups), layout choices, and up to two sliding windows (as models that mix
+    full and windowed layers use on one metadata)."""
+    reqs = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(2, 12)), max_size=4))
+    reqs += draw(st.lists(st.tuples(st.integers(0, 90), st.just(1)), min_size=1, max_size=12))
+    order = draw(st.permutations(range(len(reqs))))
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    kv_heads, group = draw(st.sampled_from([(1, 4), (2, 2), (4, 1), (2, 3), (3, 3)]))
+    windows = draw(st.lists(st.sampled_from([None, 1, 5, 17]), min_size=1, max_size=2))
+    max_keys = draw(st.sampled_from([16, 64, metadata.DECODE_GROUP_MAX_KEYS]))
+    seed = draw(st.integers(0, 2**16))
+    return [reqs[i] for i in order], block_size, kv_heads, group, windows, max_keys, seed
+
+
+def random_step(reqs, block_size, kv_heads, heads, dim, gen):
+    """Block tables over a shuffled pool whose cached slots hold random K/V, and the new q/k/v."""
+    seq_lens = [c + n for c, n in reqs]
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in needed:
+        tables.append(perm[used:used + n])
+        used += n
+    [(k_cache, v_cache)] = torch_ref.allocate_kv_cache(1, num_blocks, block_size, kv_heads, dim, torch.float32)
+    for table, (computed, _) in zip(tables, reqs):
+        for t in range(computed):
+            k_cache[table[t // block_size], t % block_size] = torch.randn(kv_heads, dim, generator=gen)
+            v_cache[table[t // block_size], t % block_size] = torch.randn(kv_heads, dim, generator=gen)
+    num_tokens = sum(n for _, n in reqs)
+    q = torch.randn(num_tokens, heads, dim, generator=gen)
+    k = torch.randn(num_tokens, kv_heads, dim, generator=gen)
+    v = torch.randn(num_tokens, kv_heads, dim, generator=gen)
+    return tables, k_cache, v_cache, q, k, v
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps())
+def test_sdpa_matches_the_oracle(step):
+    reqs, block_size, kv_heads, group, windows, max_keys, seed = step
+    gen = torch.Generator().manual_seed(seed)
+    tables, k_cache, v_cache, q, k, v = random_step(reqs, block_size, kv_heads, kv_heads * group, 8, gen)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(metadata, "DECODE_GROUP_MAX_KEYS", max_keys)
+        md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
+    ref_md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
+    assert sum(len(g.token_indices) for g in md.decode_groups) == md.num_decodes
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    # Several "layers" on one metadata: masks built by the first are reused by the others.
+    for window in windows + windows:
+        out = sdpa.paged_attention(q, k, v, k_cache, v_cache, md, 0.3, window)
+        expected = torch_ref.paged_attention(q, k, v, ref_k, ref_v, ref_md, 0.3, window)
+        assert (out - expected).abs().max().item() < 1e-5
+        assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_decode_groups_by_hand(monkeypatch):
+    # Decodes with contexts 40, 6, 33, 30, 1 (block size 4), plus one 3-token prefill.
+    seq_lens = [40, 6, 33, 3, 30, 1]
+    new = [1, 1, 1, 3, 1, 1]
+    tables = [list(range(10 * i, 10 * i + -(-s // 4))) for i, s in enumerate(seq_lens)]
+    md = AttentionMetadata.build(tables, [s - n for s, n in zip(seq_lens, new)], new, block_size=4)
+    # Longest first; a group ends where a context drops below 0.8 x the group's longest.
+    groups = [(g.token_indices.tolist(), g.seq_lens.tolist(), g.num_blocks) for g in md.decode_groups]
+    assert groups == [([0, 2], [40, 33], 10), ([6], [30], 8), ([1], [6], 2), ([7], [1], 1)]
+    assert md.decode_groups[0].block_ids.tolist() == tables[0] + tables[2] + [0]  # padded with block 0
+    # The cap on keys per group splits long runs of similar lengths.
+    monkeypatch.setattr(metadata, "DECODE_GROUP_MAX_KEYS", 70)
+    md = AttentionMetadata.build(tables, [s - n for s, n in zip(seq_lens, new)], new, block_size=4)
+    assert [g.token_indices.tolist() for g in md.decode_groups] == [[0], [2, 6], [1], [7]]
