@@ -1,15 +1,18 @@
-"""Paged attention on torch's fused scaled_dot_product_attention: the fast path, for CPU and GPU.
+"""Paged attention for the hot path: decodes through torch's fused scaled_dot_product_attention.
 
-Same contract and result as `torch_ref.paged_attention` (the oracle, tested against it), with
+Same contract and results as `torch_ref.paged_attention` (the oracle it is tested against), with
 fewer and cheaper ops per layer:
 - K/V are gathered a whole block at a time (`index_select` of contiguous rows of
-  block_size * kv_heads * head_dim values), and read in place as [batch, kv_heads, keys, dim]
-  strided views: no per-token indexing, no copy for the matmul layout;
-- one-token requests run as a few groups of similar length (`AttentionMetadata.decode_groups`),
-  so padding to the longest stays small; within a group, the query heads that share a KV head
-  are the query rows of that head, so grouped-query attention needs no copy of K/V either;
-- multi-token requests run one per call, with SDPA's native grouped-query support;
-- the additive masks are built once per step and shared by every layer (`md.cache`).
+  block_size * kv_heads * head_dim values) rather than by advanced indexing, and read as
+  [batch, kv_heads, keys, dim] strided views: no copy for the attention layout;
+- one-token requests (decodes) run as a few groups of similar context length
+  (`AttentionMetadata.decode_groups`): little padding, and each group's gathered K/V stays in
+  cache while SDPA reads it. Within a group, the query heads that share a KV head are that head's
+  query rows, so grouped-query attention copies nothing either;
+- multi-token requests (prompts, chunks) run one at a time in the oracle's own arithmetic
+  (`torch_ref.attend`, transformers' order of operations), so prompt logits stay bit-identical
+  to transformers'; this costs ~1% of a prefill step against SDPA;
+- masks are built once per step by the first layer and reused by the others (`md.cache`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.torch_ref import attend, visible
 
 
 def paged_attention(
@@ -38,61 +42,49 @@ def paged_attention(
     p - sliding_window < j <= p (all j <= p without a window).
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
     k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
-
-    def gather(blocks: Tensor, batch: int) -> tuple[Tensor, Tensor]:
-        """K, V of `batch` requests whose block ids are `blocks`: [batch, kv_heads, keys, dim] views."""
-        shape = (batch, -1, num_kv_heads, head_dim)
-        keys = k_blocks.index_select(0, blocks).view(shape).transpose(1, 2)
-        return keys, v_blocks.index_select(0, blocks).view(shape).transpose(1, 2)
-
-    num_heads = q.shape[1]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    for i, g in enumerate(md.decode_groups):
-        n = g.token_indices.shape[0]
-        keys, values = gather(g.block_ids, n)
-        bias = _decode_bias(md, i, keys.shape[2], sliding_window, q.dtype)
-        dq = q.index_select(0, g.token_indices).view(n, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(dq, keys, values, attn_mask=bias, scale=scale).view(n, num_heads, head_dim)
-        out.index_copy_(0, g.token_indices, o)
 
-    qsl, block_size = md.query_start_loc_cpu, md.block_size
+    for i, group in enumerate(md.decode_groups):
+        n = group.token_indices.shape[0]
+        shape = (n, -1, num_kv_heads, head_dim)
+        keys = k_blocks.index_select(0, group.block_ids).view(shape).transpose(1, 2)  # [n, kv_heads, keys, dim]
+        values = v_blocks.index_select(0, group.block_ids).view(shape).transpose(1, 2)
+        bias = _decode_bias(md, i, keys.shape[2], sliding_window, q.dtype)
+        dq = q.index_select(0, group.token_indices).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(dq, keys, values, attn_mask=bias, scale=scale)
+        out.index_copy_(0, group.token_indices, o.view(n, num_heads, head_dim))
+
+    qsl = md.query_start_loc_cpu
     for i in md.prefill_req_indices:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
-        keys, values = gather(md.block_tables[i, : -(-seq_len // block_size)], 1)
-        bias = _prefill_bias(md, i, keys.shape[2], sliding_window, q.dtype)
-        o = F.scaled_dot_product_attention(
-            q[None, start:end].transpose(1, 2), keys, values, attn_mask=bias, scale=scale, enable_gqa=True
-        )
-        out[start:end] = o[0].transpose(0, 1)
+        blocks = md.block_tables[i, : -(-seq_len // block_size)]
+        keys = k_blocks.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        values = v_blocks.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        mask = _prefill_mask(md, i, sliding_window)
+        out[start:end] = attend(q[None, start:end], keys[None], values[None], mask[None], scale)[0]
     return out
 
 
-def _bias(query_pos: Tensor, num_keys: int, sliding_window: int | None, dtype: torch.dtype) -> Tensor:
-    """Additive mask [..., num_queries, num_keys]: 0 where a query position may see a key position,
-    -inf elsewhere (causal, padding, sliding window)."""
-    key_pos = torch.arange(num_keys, device=query_pos.device)
-    visible = key_pos <= query_pos
-    if sliding_window is not None:
-        visible &= key_pos > query_pos - sliding_window
-    return torch.zeros(visible.shape, dtype=dtype, device=query_pos.device).masked_fill_(~visible, float("-inf"))
-
-
 def _decode_bias(md: AttentionMetadata, i: int, num_keys: int, window: int | None, dtype: torch.dtype) -> Tensor:
+    """Additive mask [n, 1, 1, num_keys] of decode group i: 0 where a request may see a key, -inf
+    past its context (padding) or outside its window."""
     key = ("decode", i, window, dtype)
     if key not in md.cache:
-        query_pos = (md.decode_groups[i].seq_lens - 1)[:, None, None, None]  # [n, 1 head, 1 query, 1]
-        md.cache[key] = _bias(query_pos, num_keys, window, dtype)
+        query_pos = (md.decode_groups[i].seq_lens - 1)[:, None, None, None]
+        hidden = ~visible(query_pos, num_keys, window)
+        md.cache[key] = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
     return md.cache[key]
 
 
-def _prefill_bias(md: AttentionMetadata, i: int, num_keys: int, window: int | None, dtype: torch.dtype) -> Tensor:
-    key = ("prefill", i, window, dtype)
+def _prefill_mask(md: AttentionMetadata, i: int, window: int | None) -> Tensor:
+    """Boolean mask [new tokens, seq_len] of multi-token request i, as the oracle builds it."""
+    key = ("prefill", i, window)
     if key not in md.cache:
         seq_len, num_new = md.seq_lens_cpu[i], md.query_start_loc_cpu[i + 1] - md.query_start_loc_cpu[i]
         query_pos = torch.arange(seq_len - num_new, seq_len, device=md.block_tables.device)[:, None]
-        md.cache[key] = _bias(query_pos, num_keys, window, dtype)
+        md.cache[key] = visible(query_pos, seq_len, window)
     return md.cache[key]

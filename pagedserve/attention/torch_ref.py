@@ -72,9 +72,9 @@ def paged_attention(
         keys = k_cache[tables].flatten(1, 2)  # [decodes, max_blocks * block_size, kv_heads, head_dim]
         values = v_cache[tables].flatten(1, 2)
         query_pos = (md.decode_seq_lens - 1)[:, None, None]  # [decodes, 1 query, 1]
-        mask = _visible(query_pos, keys.shape[1], sliding_window)
+        mask = visible(query_pos, keys.shape[1], sliding_window)
         dq = q.index_select(0, md.decode_token_indices).unsqueeze(1)
-        out.index_copy_(0, md.decode_token_indices, _attend(dq, keys, values, mask, scale).squeeze(1))
+        out.index_copy_(0, md.decode_token_indices, attend(dq, keys, values, mask, scale).squeeze(1))
 
     qsl, block_size = md.query_start_loc_cpu, md.block_size
     for i in md.prefill_req_indices:
@@ -83,12 +83,12 @@ def paged_attention(
         keys = k_cache[table].flatten(0, 1)[:seq_len]
         values = v_cache[table].flatten(0, 1)[:seq_len]
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device).unsqueeze(1)
-        mask = _visible(query_pos, seq_len, sliding_window)
-        out[start:end] = _attend(q[None, start:end], keys[None], values[None], mask[None], scale)[0]
+        mask = visible(query_pos, seq_len, sliding_window)
+        out[start:end] = attend(q[None, start:end], keys[None], values[None], mask[None], scale)[0]
     return out
 
 
-def _visible(query_pos: Tensor, num_keys: int, sliding_window: int | None) -> Tensor:
+def visible(query_pos: Tensor, num_keys: int, sliding_window: int | None) -> Tensor:
     """[..., num_queries, num_keys] bool: which key positions each query position may see."""
     key_pos = torch.arange(num_keys, device=query_pos.device)
     mask = key_pos <= query_pos  # causal; also hides padding past each request's end
@@ -97,7 +97,7 @@ def _visible(query_pos: Tensor, num_keys: int, sliding_window: int | None) -> Te
     return mask
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Softmax attention with grouped KV heads, in transformers' eager order of operations
     (scale after q @ k^T, softmax in float32).
 
