@@ -1,8 +1,11 @@
-"""Paged attention for the hot path: decodes through torch's fused scaled_dot_product_attention.
+"""Paged attention for the hot path.
 
 Same contract and results as `torch_ref.paged_attention` (the oracle it is tested against), with
 fewer and cheaper ops per layer:
-- K/V are gathered a whole block at a time (`index_select` of contiguous rows of
+- on CPU in float32, one-token requests (decodes) run in the C kernel of `cpu_kernel`, which reads
+  K/V in place through the block tables; elsewhere (or without a C compiler) they run through
+  torch's fused scaled_dot_product_attention as below;
+- for SDPA, K/V are gathered a whole block at a time (`index_select` of contiguous rows of
   block_size * kv_heads * head_dim values) rather than by advanced indexing, and read as
   [batch, kv_heads, keys, dim] strided views: no copy for the attention layout;
 - one-token requests (decodes) run as a few groups of similar context length
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedserve.attention import cpu_kernel
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_ref import attend, visible
 
@@ -46,9 +50,15 @@ def paged_attention(
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
     k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
 
-    for i, group in enumerate(md.decode_groups):
+    if md.num_decodes and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
+        cpu_kernel.decode_attention(q.contiguous(), k_cache, v_cache, out, md.decode_token_indices,
+                                    md.decode_block_tables, md.decode_seq_lens, scale, sliding_window)
+        decode_groups = []
+    else:
+        decode_groups = md.decode_groups
+    for i, group in enumerate(decode_groups):
         n = group.token_indices.shape[0]
         shape = (n, -1, num_kv_heads, head_dim)
         keys = k_blocks.index_select(0, group.block_ids).view(shape).transpose(1, 2)  # [n, kv_heads, keys, dim]

@@ -1,5 +1,6 @@
 """The hot-path paged attention (attention/sdpa.py) against the oracle (attention/torch_ref.py) on
-random mixed steps: same outputs, same cache contents, whatever the grouping of the decodes."""
+random mixed steps: same outputs, same cache contents, with decodes in the C kernel or in SDPA
+groups, whatever the grouping."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.attention import metadata, sdpa, torch_ref
+from pagedserve.attention import cpu_kernel, metadata, sdpa, torch_ref
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -50,15 +51,25 @@ def random_step(reqs, block_size, kv_heads, heads, dim, gen):
     return tables, k_cache, v_cache, q, k, v
 
 
+@pytest.mark.parametrize("decode_path", ["kernel", "sdpa"])
 @settings(max_examples=60, deadline=None)
-@given(steps())
-def test_sdpa_matches_the_oracle(step):
+@given(step=steps())
+def test_sdpa_matches_the_oracle(decode_path, step):
     reqs, block_size, kv_heads, group, windows, max_keys, seed = step
     gen = torch.Generator().manual_seed(seed)
     tables, k_cache, v_cache, q, k, v = random_step(reqs, block_size, kv_heads, kv_heads * group, 8, gen)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(metadata, "DECODE_GROUP_MAX_KEYS", max_keys)
         md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
+        if decode_path == "sdpa":
+            mp.setattr(cpu_kernel, "load", lambda: None)
+        else:
+            assert cpu_kernel.load() is not None, "the C kernel must build wherever the tests run"
+        run_step(q, k, v, k_cache, v_cache, md, tables, reqs, windows)
+
+
+def run_step(q, k, v, k_cache, v_cache, md, tables, reqs, windows):
+    block_size = md.block_size
     ref_md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
     assert sum(len(g.token_indices) for g in md.decode_groups) == md.num_decodes
     ref_k, ref_v = k_cache.clone(), v_cache.clone()

@@ -1,0 +1,115 @@
+"""The C decode-attention kernel for CPUs (csrc/paged_decode.c): build, load, call.
+
+Decode attention is memory-bound: a step reads every running request's whole context. Gathering
+the context into a padded tensor for SDPA copies it (read, write, read again); the kernel reads
+each K/V row in place through the block table, once: on the 2-core test machine, 64 decodes with
+~240 tokens of context each took 2.1 ms per layer against 5-8 ms for the SDPA path.
+
+The source is compiled with the system C compiler ($CC, else cc) the first time it is needed, to a
+shared library cached under $PAGEDSERVE_CACHE_DIR (default ~/.cache/pagedserve) and keyed by the
+source, the flags and the compiler, so an edit or another machine never loads a stale build. It
+links OpenMP: the process already has torch's libgomp loaded, so both share one thread pool.
+Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls
+back to the SDPA path (a warning says why, once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
+
+
+def compile_kernel(compiler: str) -> Path:
+    """Compile SOURCE (or reuse the cached build for this source, flags and compiler)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, compiled if needed; None if it is disabled or cannot be built."""
+    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("no C compiler found: decode attention uses the slower SDPA path", stacklevel=2)
+        return None
+    try:
+        lib = ctypes.CDLL(str(compile_kernel(compiler)))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        warnings.warn(f"the CPU decode kernel is unavailable ({exc}); decode attention uses the SDPA path",
+                      stacklevel=2)
+        return None
+    fn = lib.paged_decode_attention
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def supports(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether the kernel can run this attention: float32 tensors in CPU memory."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    out: Tensor,
+    token_indices: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Write into out[token_indices] the attention of q[token_indices] (one token per request)
+    over each request's first seq_lens[r] cached positions, read through block_tables[r].
+
+    q, out: [num_tokens, num_heads, head_dim] contiguous float32; k_cache, v_cache:
+    [num_blocks, block_size, num_kv_heads, head_dim]; token_indices, seq_lens: [n] int64;
+    block_tables: [n, >= max blocks] int64. Requires `load()` to have returned a library.
+    """
+    lib = load()
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    n, num_heads = token_indices.shape[0], q.shape[1]
+    for t in (q, out, k_cache, v_cache, token_indices, block_tables, seq_lens):
+        assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
+    status = lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        token_indices.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        n, block_tables.shape[1], block_size, num_heads, num_kv_heads, head_dim,
+        scale, sliding_window or 0, torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the CPU decode kernel could not allocate its scratch space")

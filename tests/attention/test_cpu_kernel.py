@@ -1,0 +1,105 @@
+"""The C decode kernel (attention/cpu_kernel.py): it builds here, caches its build, agrees with the
+oracle on long contexts with windows and grouped heads, does not depend on the thread count, and
+its absence is a fallback rather than a failure. Random mixed steps are in test_sdpa.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from pagedserve.attention import cpu_kernel, torch_ref
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+@pytest.fixture
+def fresh_load():
+    """cpu_kernel.load() re-evaluated under the test's environment, and the real one restored."""
+    cpu_kernel.load.cache_clear()
+    yield cpu_kernel.load
+    cpu_kernel.load.cache_clear()
+
+
+def decode_case(seq_lens, block_size, kv_heads, heads, dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(sum(needed) + 2, generator=gen).tolist()
+    tables = [perm[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(seq_lens))]
+    shape = (len(perm), block_size, kv_heads, dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    md = AttentionMetadata.build(tables, [s - 1 for s in seq_lens], [1] * len(seq_lens), block_size)
+    q = torch.randn(len(seq_lens), heads, dim, generator=gen)
+    return q, k_cache, v_cache, md
+
+
+def run_kernel(q, k_cache, v_cache, md, scale, window):
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.decode_attention(q, k_cache, v_cache, out, md.decode_token_indices, md.decode_block_tables,
+                                md.decode_seq_lens, scale, window)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 100, 4096])
+@pytest.mark.parametrize("kv_heads, heads", [(3, 9), (1, 8), (4, 4)])
+def test_long_contexts_match_the_oracle(window, kv_heads, heads):
+    q, k_cache, v_cache, md = decode_case([1, 17, 700, 2500, 33], 16, kv_heads, heads, 64)
+    out = run_kernel(q, k_cache, v_cache, md, 0.125, window)
+    # The oracle also writes this step's K/V: give it the values already in their slots.
+    slots = md.slot_mapping
+    k = k_cache.view(-1, kv_heads, 64)[slots].clone()
+    v = v_cache.view(-1, kv_heads, 64)[slots].clone()
+    expected = torch_ref.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), md, 0.125, window)
+    assert (out - expected).abs().max().item() < 1e-5
+
+
+def test_result_does_not_depend_on_the_thread_count():
+    q, k_cache, v_cache, md = decode_case([300, 5, 1200, 64] * 4, 16, 3, 9, 64, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_kernel(q, k_cache, v_cache, md, 0.125, None)
+        torch.set_num_threads(max(2, threads))
+        many = run_kernel(q, k_cache, v_cache, md, 0.125, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)  # each (request, KV head) is summed by one thread, in one order
+
+
+def test_only_the_decode_rows_are_written():
+    q, k_cache, v_cache, md = decode_case([40, 3], 4, 2, 4, 8)
+    q = torch.cat([torch.randn(3, 4, 8), q])  # three rows that belong to no decode
+    md.decode_token_indices += 3
+    out = run_kernel(q, k_cache, v_cache, md, 0.3, None)
+    assert out[:3].isnan().all() and not out[3:].isnan().any()
+
+
+def test_builds_once_and_reuses_the_cached_library(tmp_path, monkeypatch, fresh_load):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    assert fresh_load() is not None
+    [built] = tmp_path.glob("paged_decode-*.so")
+    mtime = built.stat().st_mtime_ns
+    fresh_load.cache_clear()
+    assert fresh_load() is not None
+    assert list(tmp_path.glob("*")) == [built] and built.stat().st_mtime_ns == mtime
+
+
+def test_a_broken_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, fresh_load):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.warns(UserWarning, match="SDPA path"):
+        assert fresh_load() is None
+
+
+def test_disabled_by_environment(monkeypatch, fresh_load):
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNEL", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # switched off on purpose: no warning
+        assert fresh_load() is None
+
+
+def test_supports_only_float32_on_cpu():
+    x = torch.zeros(2, 2)
+    assert cpu_kernel.supports(x, x)
+    assert not cpu_kernel.supports(x.half(), x.half())
+    assert not cpu_kernel.supports(x, x.bfloat16())
