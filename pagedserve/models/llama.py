@@ -15,7 +15,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.sdpa import paged_attention
 from pagedserve.attention.torch_ref import KVCache
 from pagedserve.models.config import ModelConfig
-from pagedserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from pagedserve.models.layers import GatedMLP, Linear, OneDNNWeight, RMSNorm, RotaryEmbedding, apply_rotary, linear
 
 
 class Attention(nn.Module):
@@ -23,8 +23,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -75,8 +75,9 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(config)
         # Tied models have no lm_head at all: the logits reuse the embedding matrix.
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.head_onednn = OneDNNWeight()
 
     @classmethod
     def empty(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> DecoderForCausalLM:
@@ -100,7 +101,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight, None, self.head_onednn)
 
     def checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
         """Each checkpoint tensor name -> (our parameter, first row, number of rows) it fills."""

@@ -117,7 +117,8 @@ def load_weights(net: DecoderForCausalLM, tensors: Iterable[tuple[str, Tensor]])
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"but the config implies {tuple(dest.shape)}"
             )
-        dest.copy_(tensor)
+        with torch.no_grad():
+            param.narrow(0, start, rows).copy_(tensor)  # through the parameter: bumps its version
         loaded.add(name)
     missing = sorted(targets.keys() - loaded)
     if missing:

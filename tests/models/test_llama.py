@@ -98,7 +98,13 @@ def test_tied_model_reuses_embedding(tiny_checkpoint):
     model, config = load_model(str(tiny_checkpoint("qwen2")[0]))
     assert config.tie_word_embeddings and model.lm_head is None
     hidden = torch.randn(3, config.hidden_size)
-    assert torch.equal(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.t())
+    embedding = model.model.embed_tokens.weight
+    # Equal to rounding: on CPU the product runs through oneDNN, not torch's default matmul.
+    assert (model.compute_logits(hidden) - hidden @ embedding.t()).abs().max().item() < 1e-5
+    # oneDNN's copy of the weight follows writes to the embedding.
+    with torch.no_grad():
+        embedding.mul_(-2)
+    assert (model.compute_logits(hidden) - hidden @ embedding.t()).abs().max().item() < 1e-5
 
 
 # The real model: SmolLM2-135M-Instruct, Q4_1 GGUF, loaded by us and by transformers.
@@ -127,8 +133,12 @@ def test_embedded_logits_match_transformers(embedded_model, embedded_hf_model, e
         n = len(prompt)
         chunks = [n // 2, n - n // 2] + [1] * 6
         ours = run_in_chunks(paged_harness(model, config, block_size=16, num_blocks=16, seed=i), tokens, chunks)
-        diff = (ours - hf_logits(embedded_hf_model, tokens)).abs().max().item()
-        assert diff < TOL, (i, diff)
+        ref = hf_logits(embedded_hf_model, tokens)
+        # 30 float32 layers whose matmuls run in another library (oneDNN) than transformers' (MKL)
+        # sum in another order: allow 1e-5 of the largest logit (~4e-4 for these prompts; the
+        # differences seen are ~1.3e-4, a real error in any layer moves logits by far more).
+        diff = (ours - ref).abs().max().item()
+        assert diff < 1e-5 * ref.abs().max().item(), (i, diff)
 
 
 def test_embedded_greedy_matches_generate(embedded_model, embedded_hf_model, embedded_tokenizer, paged_harness):
