@@ -82,6 +82,7 @@ def run_pagedserve(workload: Workload, reps: int, model, tokenizer, **engine_kwa
                              ignore_eos=True) for i, r in enumerate(workload.requests)]
 
     def run():
+        llm.reset_prefix_cache()  # every repetition prefills cold, as the first did
         outputs = llm.generate(prompts, params, use_tqdm=False)
         produced = sum(len(o.token_ids) for out in outputs for o in out.outputs)
         assert produced == workload.num_output_tokens, (produced, workload.num_output_tokens)
@@ -156,11 +157,13 @@ def run_external(system: str, python: str | None, workload: Workload, reps: int,
         spec = os.path.join(tmp, "workload.json")
         with open(spec, "w") as f:
             json.dump({"workload": workload.to_json(), "model": model_path, "reps": reps, **extra}, f)
-        driver = os.path.join(DRIVERS, f"{system}_driver.py")
-        proc = subprocess.run([python, driver, spec], capture_output=True, text=True, env={**os.environ, **(env or {})})
-    if proc.returncode != 0:
-        return SystemResult(label, skipped=f"failed: {proc.stderr.strip().splitlines()[-1:]}")
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+        driver, report_path = os.path.join(DRIVERS, f"{system}_driver.py"), os.path.join(tmp, "report.json")
+        proc = subprocess.run([python, driver, spec, report_path], capture_output=True, text=True,
+                              env={**os.environ, **(env or {})})
+        if proc.returncode != 0 or not os.path.exists(report_path):
+            return SystemResult(label, skipped=f"failed: {proc.stderr.strip().splitlines()[-1:]}")
+        with open(report_path) as f:
+            report = json.load(f)
     return SystemResult(label, report["seconds"], workload.num_prompt_tokens, report["output_tokens"],
                         note=report.get("note", ""))
 
@@ -169,15 +172,16 @@ def run_external(system: str, python: str | None, workload: Workload, reps: int,
 
 
 def markdown_table(workload: Workload, results: list[SystemResult]) -> str:
-    ours = next(r for r in results if r.system == "pagedserve" and not r.skipped)
-    lines = [f"Workload {workload.describe()}; median of {len(ours.seconds)} runs (min..max).", "",
+    ours = next((r for r in results if r.system == "pagedserve" and not r.skipped), None)
+    runs = max((len(r.seconds) for r in results if not r.skipped), default=0)
+    lines = [f"Workload {workload.describe()}; median of {runs} runs (min..max).", "",
              "| system | output tok/s | total tok/s | output vs pagedserve | notes |", "|---|---:|---:|---:|---|"]
     for r in results:
         if r.skipped:
             lines.append(f"| {r.system} | - | - | - | {r.skipped} |")
             continue
         lines.append(f"| {r.system} | {r.output_tps():.1f} ({r.output_tps(max):.1f}..{r.output_tps(min):.1f}) | "
-                     f"{r.total_tps():.1f} | {r.output_tps() / ours.output_tps():.2f}x | {r.note} |")
+                     f"{r.total_tps():.1f} | {f'{r.output_tps() / ours.output_tps():.2f}x' if ours else '-'} | {r.note} |")
     return "\n".join(lines)
 
 

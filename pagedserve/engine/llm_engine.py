@@ -269,6 +269,10 @@ class LLMEngine:
 
     # ---- figures -------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing forgotten) while requests hold blocks."""
+        return self.kv.reset_prefix_cache()
+
     def kv_stats(self) -> KVCacheStats:
         return self.kv.stats()
 

@@ -130,6 +130,11 @@ class LLM:
             bar.close()
         return [finished[i] for i in ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """As vLLM's: forget all cached prefixes, so the next prompts are computed cold. False
+        (nothing forgotten) while requests are running."""
+        return self.llm_engine.reset_prefix_cache()
+
     # ---- figures -------------------------------------------------------------------------
 
     def get_metrics(self) -> dict[str, float]:

@@ -161,6 +161,14 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def reset_cache(self) -> bool:
+        """Forget every cached prefix; only when no block is in use (False, and nothing done, if one is)."""
+        if self.num_used:
+            return False
+        for block in list(self.cached.values()):
+            self._forget(block)
+        return True
+
     def _forget(self, block: Block) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash]

@@ -124,6 +124,11 @@ class KVCacheManager:
             hashes.append(parent)
         return blocks, hashes
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (e.g. between benchmark runs). False while any request
+        holds blocks: then nothing is forgotten."""
+        return self.pool.reset_cache()
+
     # ---- allocation ----------------------------------------------------------------------
 
     def admit(

@@ -107,6 +107,24 @@ def test_prefix_caching_on_and_off(embedded_model, embedded_tokenizer, prompts, 
     assert_all_free(llm)
 
 
+def test_reset_prefix_cache_makes_the_next_run_cold(embedded_model, embedded_tokenizer, prompts, reference):
+    llm = make_llm(embedded_model, embedded_tokenizer)
+    assert generate_ids(llm, prompts[:1]) == reference[:1]
+    hits = llm.get_metrics()["prefix_cache_hits"]
+    assert generate_ids(llm, prompts[:1]) == reference[:1]
+    assert llm.get_metrics()["prefix_cache_hits"] > hits  # the prompt's full blocks were found
+    hits = llm.get_metrics()["prefix_cache_hits"]
+    assert llm.reset_prefix_cache()
+    assert generate_ids(llm, prompts[:1]) == reference[:1]
+    assert llm.get_metrics()["prefix_cache_hits"] == hits
+    # Not while a request holds blocks.
+    llm.llm_engine.add_request("busy", prompts[0])
+    llm.llm_engine.step()
+    assert not llm.reset_prefix_cache()
+    llm.llm_engine.abort_request("busy")
+    assert_all_free(llm)
+
+
 def test_small_token_budget_chunks_every_prompt(embedded_model, embedded_tokenizer, prompts, reference):
     llm = make_llm(embedded_model, embedded_tokenizer, max_num_batched_tokens=7)
     assert min(len(p) for p in prompts) > 7

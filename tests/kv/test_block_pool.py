@@ -65,6 +65,19 @@ def test_cached_block_is_evicted_when_reused_and_revived_when_touched():
     assert pool.lookup(b"A") is None and a.block_hash is None
 
 
+def test_reset_cache_forgets_every_prefix_only_when_no_block_is_used():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.cache(a, b"A")
+    pool.cache(b, b"B")
+    pool.release([a])
+    assert not pool.reset_cache() and pool.lookup(b"A") is a  # b is still in use
+    pool.release([b])
+    assert pool.reset_cache()
+    assert pool.lookup(b"A") is None and pool.lookup(b"B") is None and pool.num_cached_free == 0
+    assert pool.num_free == 3
+
+
 def test_first_block_with_a_hash_stays_the_cached_copy():
     pool = BlockPool(2)
     a, b = pool.allocate(2)

@@ -1,6 +1,6 @@
 """Runs a pagedserve benchmark workload on llama.cpp (llama-cpp-python), one request after another,
 on the GGUF file itself. Executed by that package's own Python; imports nothing from pagedserve.
-Prints one JSON line: seconds per repetition."""
+Usage: llamacpp_driver.py SPEC.json REPORT.json; writes seconds per repetition to REPORT.json."""
 
 import json
 import sys
@@ -35,5 +35,6 @@ for _ in range(spec["reps"]):
     start = time.perf_counter()
     produced = run()
     seconds.append(time.perf_counter() - start)
-print(json.dumps({"seconds": seconds, "output_tokens": produced,
-                  "note": f"llama-cpp-python {llama_cpp.__version__}, GGUF Q4_1 native, sequential"}))
+with open(sys.argv[2], "w") as f:
+    json.dump({"seconds": seconds, "output_tokens": produced,
+               "note": f"llama-cpp-python {llama_cpp.__version__}, GGUF Q4_1 native, sequential"}, f)

@@ -1,5 +1,6 @@
 """Runs a pagedserve benchmark workload on vLLM. Executed by vLLM's own Python (its own virtual
-environment), so it imports nothing from pagedserve. Prints one JSON line: seconds per repetition."""
+environment), so it imports nothing from pagedserve. Usage: vllm_driver.py SPEC.json REPORT.json;
+writes the report (seconds per repetition, output tokens) to REPORT.json: vLLM's own logs go to stdout."""
 
 import json
 import sys
@@ -21,6 +22,7 @@ def main() -> None:
                              temperature=0.0 if r["n"] == 1 else 1.0, seed=i) for i, r in enumerate(requests)]
 
     def run():
+        llm.reset_prefix_cache()  # every repetition prefills cold, as the first did
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return sum(len(o.token_ids) for out in outputs for o in out.outputs)
 
@@ -30,7 +32,8 @@ def main() -> None:
         start = time.perf_counter()
         produced = run()
         seconds.append(time.perf_counter() - start)
-    print(json.dumps({"seconds": seconds, "output_tokens": produced, "note": f"vLLM {vllm.__version__}, float32"}))
+    with open(sys.argv[2], "w") as f:
+        json.dump({"seconds": seconds, "output_tokens": produced, "note": f"vLLM {vllm.__version__}, float32"}, f)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core in a spawned process
