@@ -162,6 +162,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python, hf_model_dir=args.hf_model_dir,
         engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens})
     table = markdown_table(workload, results)
+    if any(r.system == "pagedserve" and not r.skipped for r in results):
+        table += "\n\n" + ceiling_note(results)
     print(table)
     if args.out_dir:
         import os
@@ -177,6 +179,18 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
             json.dump({"workload": workload.describe(), "results": [r.summary() for r in results]}, f, indent=2)
 
 
+def ceiling_note(results) -> str:
+    """pagedserve's total tokens/s against this machine's float32 matmul ceiling for the model."""
+    from pagedserve.bench.profile import matmul_ceiling, matmul_params
+    from pagedserve.models.loader import load_model
+
+    net = load_model()[0]
+    ceiling = matmul_ceiling(net) / (2 * matmul_params(net))
+    ours = next(r for r in results if r.system == "pagedserve")
+    return (f"pagedserve total tokens/s = {ours.total_tps() / ceiling:.0%} of the float32 matmul ceiling "
+            f"measured in this run ({ceiling:.0f} tokens/s at 2 x {matmul_params(net) / 1e6:.1f}M FLOPs per token).")
+
+
 def cmd_bench_prefix(args: argparse.Namespace) -> None:
     from pagedserve.bench.prefix import format_table, run_prefix_bench
 
@@ -185,6 +199,26 @@ def cmd_bench_prefix(args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def cmd_bench_profile(args: argparse.Namespace) -> None:
+    from pagedserve.bench.profile import format_table, plot, run_profile_bench
+
+    report = run_profile_bench(batches=tuple(args.batches), steps=args.steps, torch_profile=args.torch_profile)
+    table = format_table(report)
+    print(table)
+    if args.out_dir:
+        import os
+
+        os.makedirs(args.out_dir, exist_ok=True)
+        stem = os.path.join(args.out_dir, "bench_profile")
+        with open(stem + ".md", "w") as f:
+            f.write(table + "\n")
+        plot(report, stem + ".png")
+        print(f"wrote {stem}.md and {stem}.png")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:
@@ -294,6 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--reps", type=int, default=1)
     pre.add_argument("--json", default=None)
     pre.set_defaults(func=cmd_bench_prefix)
+
+    prof = bench.add_parser("profile", help="a decode step's time by part, and decode speed vs the matmul ceiling")
+    prof.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    prof.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    prof.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's op table")
+    prof.add_argument("--out-dir", default="docs")
+    prof.add_argument("--json", default=None)
+    prof.set_defaults(func=cmd_bench_profile)
 
     srv = bench.add_parser("serving", help="load generator against an OpenAI-compatible server")
     srv.add_argument("--url", default="http://127.0.0.1:8000")
