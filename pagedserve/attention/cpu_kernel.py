@@ -29,7 +29,9 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# gnu11 for the vector extensions; fp-contract lets a * b + c become one fused multiply-add.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+VECTOR_WIDTH = 16  # floats per vector in the kernel (VL): head_dim must be a multiple
 
 
 def cache_dir() -> Path:
@@ -78,8 +80,10 @@ def load() -> ctypes.CDLL | None:
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether the kernel can run this attention: float32 tensors in CPU memory."""
-    return q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    """Whether the kernel can run this attention: float32 tensors in CPU memory, and a head size
+    that is a whole number of the kernel's vectors (64, 80, 96, 128, 256... not 72)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and k_cache.shape[-1] % VECTOR_WIDTH == 0)
 
 
 def decode_attention(

@@ -41,15 +41,16 @@ def run_kernel(q, k_cache, v_cache, md, scale, window):
 
 
 @pytest.mark.parametrize("window", [None, 1, 100, 4096])
-@pytest.mark.parametrize("kv_heads, heads", [(3, 9), (1, 8), (4, 4)])
-def test_long_contexts_match_the_oracle(window, kv_heads, heads):
-    q, k_cache, v_cache, md = decode_case([1, 17, 700, 2500, 33], 16, kv_heads, heads, 64)
-    out = run_kernel(q, k_cache, v_cache, md, 0.125, window)
+@pytest.mark.parametrize("kv_heads, heads, dim", [(3, 9, 64), (1, 8, 128), (4, 4, 80)])
+def test_long_contexts_match_the_oracle(window, kv_heads, heads, dim):
+    q, k_cache, v_cache, md = decode_case([1, 17, 700, 2500, 33], 16, kv_heads, heads, dim)
+    q *= 3  # sharp softmaxes as well as flat ones: exp over a wide range
+    out = run_kernel(q, k_cache, v_cache, md, dim**-0.5, window)
     # The oracle also writes this step's K/V: give it the values already in their slots.
     slots = md.slot_mapping
-    k = k_cache.view(-1, kv_heads, 64)[slots].clone()
-    v = v_cache.view(-1, kv_heads, 64)[slots].clone()
-    expected = torch_ref.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), md, 0.125, window)
+    k = k_cache.view(-1, kv_heads, dim)[slots].clone()
+    v = v_cache.view(-1, kv_heads, dim)[slots].clone()
+    expected = torch_ref.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), md, dim**-0.5, window)
     assert (out - expected).abs().max().item() < 1e-5
 
 
@@ -67,8 +68,8 @@ def test_result_does_not_depend_on_the_thread_count():
 
 
 def test_only_the_decode_rows_are_written():
-    q, k_cache, v_cache, md = decode_case([40, 3], 4, 2, 4, 8)
-    q = torch.cat([torch.randn(3, 4, 8), q])  # three rows that belong to no decode
+    q, k_cache, v_cache, md = decode_case([40, 3], 4, 2, 4, 16)
+    q = torch.cat([torch.randn(3, 4, 16), q])  # three rows that belong to no decode
     md.decode_token_indices += 3
     out = run_kernel(q, k_cache, v_cache, md, 0.3, None)
     assert out[:3].isnan().all() and not out[3:].isnan().any()
@@ -98,8 +99,9 @@ def test_disabled_by_environment(monkeypatch, fresh_load):
         assert fresh_load() is None
 
 
-def test_supports_only_float32_on_cpu():
-    x = torch.zeros(2, 2)
-    assert cpu_kernel.supports(x, x)
+def test_supports_only_float32_on_cpu_and_whole_vectors_per_head():
+    x = torch.zeros(2, 64)
+    assert cpu_kernel.supports(x, x) and cpu_kernel.supports(torch.zeros(2, 80), torch.zeros(2, 80))
     assert not cpu_kernel.supports(x.half(), x.half())
     assert not cpu_kernel.supports(x, x.bfloat16())
+    assert not cpu_kernel.supports(torch.zeros(2, 72), torch.zeros(2, 72))

@@ -57,7 +57,7 @@ def random_step(reqs, block_size, kv_heads, heads, dim, gen):
 def test_sdpa_matches_the_oracle(decode_path, step):
     reqs, block_size, kv_heads, group, windows, max_keys, seed = step
     gen = torch.Generator().manual_seed(seed)
-    tables, k_cache, v_cache, q, k, v = random_step(reqs, block_size, kv_heads, kv_heads * group, 8, gen)
+    tables, k_cache, v_cache, q, k, v = random_step(reqs, block_size, kv_heads, kv_heads * group, 16, gen)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(metadata, "DECODE_GROUP_MAX_KEYS", max_keys)
         md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
@@ -65,6 +65,7 @@ def test_sdpa_matches_the_oracle(decode_path, step):
             mp.setattr(cpu_kernel, "load", lambda: None)
         else:
             assert cpu_kernel.load() is not None, "the C kernel must build wherever the tests run"
+            assert cpu_kernel.supports(q, k_cache)
         run_step(q, k, v, k_cache, v_cache, md, tables, reqs, windows)
 
 

@@ -26,9 +26,62 @@ struct paged_kv {
     int64_t block_size, token_stride; /* token_stride: floats between consecutive slots */
 };
 
+/* 16 floats: one AVX-512 register, two AVX2 ones; the compiler picks what the machine has.
+ * head_dim must be a multiple of VL (cpu_kernel.supports checks). */
+#define VL 16
+typedef float vec __attribute__((vector_size(VL * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
+
+static inline vec load(const float *p)
+{
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* Sum of the lanes, as a tree (a running scalar sum would be a chain of 16 dependent adds). */
+static inline float hsum(vec v)
+{
+    v += __builtin_shuffle(v, (ivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (ivec){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
+    v += __builtin_shuffle(v, (ivec){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
+    v += __builtin_shuffle(v, (ivec){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
+    return v[0];
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum), to about 1 ulp like libm's expf, in plain
+ * arithmetic the compiler vectorizes (a libm call per score cannot be). Cody-Waite reduction
+ * x = n ln2 + r, |r| <= ln2 / 2, the classic degree-6 polynomial for e^r, then 2^n in the
+ * exponent bits. Below -87.3, where expf underflows, it returns 0 like expf. */
+static inline float exp_nonpositive(float x)
+{
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t e = ((int32_t)(n < -126.0f ? -126.0f : n) + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, sizeof two_n);
+    return x < -87.3f ? 0.0f : p * two_n;
+}
+
+/* Ask for a block's rows (n contiguous floats) to be brought into cache. */
+static inline void prefetch_block(const float *p, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 64 / sizeof(float))
+        __builtin_prefetch(p + i);
+}
+
 /* Attention of one request's query heads qh [num_heads, head_dim] over its keys first..len-1,
- * into oh. Query head h reads KV head h / group. All KV heads are handled together so that each
- * slot's K and V rows (num_kv_heads * head_dim floats, contiguous) are read whole, in order.
+ * into oh. Query head h reads KV head h / group. Each block's K and V rows (all KV heads,
+ * contiguous) are read once, in order, and reused from L1 by the heads that share them.
  * scores: scratch of num_heads * max_len floats; acc: num_heads * head_dim.
  * Always inlined, so a constant head_dim gives fully unrolled vector loops. */
 static inline __attribute__((always_inline)) void attend_request(
@@ -36,7 +89,7 @@ static inline __attribute__((always_inline)) void attend_request(
     int64_t num_heads, int64_t group, const int64_t head_dim, float scale, float *scores, int64_t max_len,
     float *acc)
 {
-    const int64_t bs = kv->block_size, stride = kv->token_stride;
+    const int64_t bs = kv->block_size, stride = kv->token_stride, nv = head_dim / VL;
     const int64_t first_block = first / bs, end_block = (len + bs - 1) / bs;
     float maxima[num_heads], sums[num_heads];
     for (int64_t h = 0; h < num_heads; h++)
@@ -46,25 +99,32 @@ static inline __attribute__((always_inline)) void attend_request(
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
         const float *kb = kv->k_cache + table[b] * bs * stride;
-        for (int64_t t = t0; t < t1; t++) {
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float *qv = qh + h * head_dim, *k = kb + t * stride + (h / group) * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++)
-                    dot += qv[d] * k[d];
-                const float s = dot * scale;
-                scores[h * max_len + b * bs + t] = s;
-                maxima[h] = s > maxima[h] ? s : maxima[h];
+        if (b + 1 < end_block) /* blocks sit anywhere in the pool, out of the prefetcher's sight */
+            prefetch_block(kv->k_cache + table[b + 1] * bs * stride, bs * stride);
+        for (int64_t h = 0; h < num_heads; h++) {
+            vec q[nv];
+            for (int64_t i = 0; i < nv; i++)
+                q[i] = load(qh + h * head_dim + i * VL);
+            const float *kh = kb + (h / group) * head_dim;
+            float *sh = scores + h * max_len + b * bs, m = maxima[h];
+            for (int64_t t = t0; t < t1; t++) {
+                vec prod = q[0] * load(kh + t * stride);
+                for (int64_t i = 1; i < nv; i++)
+                    prod += q[i] * load(kh + t * stride + i * VL);
+                sh[t] = hsum(prod) * scale;
+                m = sh[t] > m ? sh[t] : m;
             }
+            maxima[h] = m;
         }
     }
 
     /* Softmax numerators and their sums. */
     for (int64_t h = 0; h < num_heads; h++) {
         float *sh = scores + h * max_len, sum = 0.0f;
+        const float m = maxima[h];
+#pragma omp simd reduction(+ : sum)
         for (int64_t j = first; j < len; j++) {
-            sh[j] = expf(sh[j] - maxima[h]);
+            sh[j] = exp_nonpositive(sh[j] - m);
             sum += sh[j];
         }
         sums[h] = sum;
@@ -75,14 +135,18 @@ static inline __attribute__((always_inline)) void attend_request(
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
         const float *vb = kv->v_cache + table[b] * bs * stride;
-        for (int64_t t = t0; t < t1; t++) {
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float p = scores[h * max_len + b * bs + t], *v = vb + t * stride + (h / group) * head_dim;
-                float *ah = acc + h * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++)
-                    ah[d] += p * v[d];
-            }
+        if (b + 1 < end_block)
+            prefetch_block(kv->v_cache + table[b + 1] * bs * stride, bs * stride);
+        for (int64_t h = 0; h < num_heads; h++) {
+            vec a[nv];
+            for (int64_t i = 0; i < nv; i++)
+                a[i] = load(acc + h * head_dim + i * VL);
+            const float *vh = vb + (h / group) * head_dim, *ph = scores + h * max_len + b * bs;
+            for (int64_t t = t0; t < t1; t++)
+                for (int64_t i = 0; i < nv; i++)
+                    a[i] += ph[t] * load(vh + t * stride + i * VL);
+            for (int64_t i = 0; i < nv; i++)
+                store(acc + h * head_dim + i * VL, a[i]);
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
