@@ -56,9 +56,9 @@ class SystemResult:
         }
 
 
-def timed(run, reps: int) -> list[float]:
-    """Run once to warm up, then `reps` timed repetitions."""
-    run()
+def timed(run, reps: int, warm_up=None) -> list[float]:
+    """Warm up (by default one whole run), then time `reps` runs."""
+    (warm_up or run)()
     seconds = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -101,10 +101,9 @@ def run_hf_static(workload: Workload, reps: int, hf_model, batch_size: int) -> S
     """Static batching: fixed batches in arrival order, each padded to its longest prompt and run
     to its longest output; useful output = each request's own length."""
     reqs = workload.requests
-    batches = [reqs[i : i + batch_size] for i in range(0, len(reqs), batch_size)]
 
-    def run():
-        for batch in batches:
+    def run(reqs=reqs):
+        for batch in [reqs[i : i + batch_size] for i in range(0, len(reqs), batch_size)]:
             width = max(len(r.prompt_token_ids) for r in batch)
             ids = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
             mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
@@ -113,7 +112,8 @@ def run_hf_static(workload: Workload, reps: int, hf_model, batch_size: int) -> S
                 hf_model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                                   **_hf_generation_kwargs(batch[0].n))
 
-    return SystemResult(f"hf-static (batch {batch_size})", timed(run, reps), workload.num_prompt_tokens,
+    # transformers needs no long warm-up: a few requests load its kernels, and save minutes.
+    return SystemResult(f"hf-static (batch {batch_size})", timed(run, reps, lambda: run(reqs[:2])), workload.num_prompt_tokens,
                         workload.num_output_tokens, note="transformers generate, padded static batches")
 
 
@@ -127,14 +127,14 @@ def run_hf_cb(workload: Workload, reps: int, hf_model) -> SystemResult:
         return SystemResult("hf-cb", skipped="parallel sampling is not driven through hf-cb here")
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
 
-    def run():
+    def run(reqs=workload.requests):
         manager = hf_model.init_continuous_batching(generation_config=config)
         manager.start()
         try:
-            for i, r in enumerate(workload.requests):
+            for i, r in enumerate(reqs):
                 manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.output_len)
             done = 0
-            while done < len(workload.requests):
+            while done < len(reqs):
                 result = manager.get_result(timeout=60)
                 if result is None:
                     raise RuntimeError("transformers' continuous batching stalled")
@@ -143,7 +143,8 @@ def run_hf_cb(workload: Workload, reps: int, hf_model) -> SystemResult:
         finally:
             manager.stop(block=True)
 
-    return SystemResult("hf-cb", timed(run, reps), workload.num_prompt_tokens, workload.num_output_tokens,
+    return SystemResult("hf-cb", timed(run, reps, lambda: run(workload.requests[:2])), workload.num_prompt_tokens,
+                        workload.num_output_tokens,
                         note="transformers continuous batching")
 
 
