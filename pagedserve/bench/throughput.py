@@ -135,7 +135,7 @@ def run_hf_cb(workload: Workload, reps: int, hf_model) -> SystemResult:
                 manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.output_len)
             done = 0
             while done < len(reqs):
-                result = manager.get_result(timeout=60)
+                result = manager.get_result(timeout=600)  # the first finish can take minutes
                 if result is None:
                     raise RuntimeError("transformers' continuous batching stalled")
                 if result.is_finished():
@@ -209,33 +209,46 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
                          log=print) -> list[SystemResult]:
     from pagedserve.models.loader import embedded_model_path, load_model, load_tokenizer
 
-    results = []
-    model = tokenizer = hf_model = None
+    unknown = set(systems) - {"pagedserve", "hf-static", "hf-cb", "vllm", "llamacpp"}
+    if unknown:
+        raise ValueError(f"unknown system {sorted(unknown)}: choose from pagedserve, hf-static, hf-cb, vllm, llamacpp")
+    loaded: dict[str, object] = {}
+
+    def ours():
+        return loaded.setdefault("ours", (load_model(), load_tokenizer()))
+
+    def hf_model():
+        return loaded.setdefault("hf", load_hf_reference())
+
+    runs = []  # (label, thunk returning a SystemResult): one per row of the table
     for system in systems:
-        log(f"running {system} ...")
         if system == "pagedserve":
-            model, tokenizer = model or load_model(), tokenizer or load_tokenizer()
-            results.append(run_pagedserve(workload, reps, model, tokenizer, **(engine_kwargs or {})))
-        elif system in ("hf-static", "hf-cb"):
-            hf_model = hf_model or load_hf_reference()
-            if system == "hf-cb":
-                results.append(run_hf_cb(workload, reps, hf_model))
-            else:
-                results += [run_hf_static(workload, reps, hf_model, b) for b in hf_batch_sizes]
+            runs.append(("pagedserve", lambda: run_pagedserve(workload, reps, *ours(), **(engine_kwargs or {}))))
+        elif system == "hf-static":
+            runs += [(f"hf-static (batch {b})", lambda b=b: run_hf_static(workload, reps, hf_model(), b))
+                     for b in hf_batch_sizes]
+        elif system == "hf-cb":
+            runs.append(("hf-cb", lambda: run_hf_cb(workload, reps, hf_model())))
         elif system == "vllm":
             # vLLM's CPU default computes on all cores but one; also try it on every core.
-            results.append(run_external("vllm", vllm_python, workload, reps, hf_model_dir or "", {},
-                                        label="vllm (default threads)"))
+            runs.append(("vllm (default threads)", lambda: run_external(
+                "vllm", vllm_python, workload, reps, hf_model_dir or "", {}, label="vllm (default threads)")))
             if vllm_python:
-                results.append(run_external("vllm", vllm_python, workload, reps, hf_model_dir or "", {},
-                                            env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
-                                                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-                                            label=f"vllm ({os.cpu_count()} threads)"))
-        elif system == "llamacpp":
-            results.append(run_external("llamacpp", llamacpp_python, workload, reps, embedded_model_path(),
-                                        {"threads": os.cpu_count()}))
+                label = f"vllm ({os.cpu_count()} threads)"
+                runs.append((label, lambda label=label: run_external(
+                    "vllm", vllm_python, workload, reps, hf_model_dir or "", {},
+                    env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                    label=label)))
         else:
-            raise ValueError(f"unknown system {system!r}: choose from pagedserve, hf-static, hf-cb, vllm, llamacpp")
+            runs.append(("llamacpp", lambda: run_external("llamacpp", llamacpp_python, workload, reps,
+                                                          embedded_model_path(), {"threads": os.cpu_count()})))
+    results = []
+    for label, run in runs:
+        log(f"running {label} ...")
+        try:
+            results.append(run())
+        except Exception as exc:  # one system failing must not lose the others' figures
+            results.append(SystemResult(label, skipped=f"failed: {type(exc).__name__}: {exc}"[:200]))
         log("  " + json.dumps(results[-1].summary())[:300])
     return results
 

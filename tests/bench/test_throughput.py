@@ -45,3 +45,23 @@ def test_parallel_sampling_counts_every_sample(tiny):
 def test_ratios_use_the_median():
     r = SystemResult("x", seconds=[1.0, 4.0, 2.0], prompt_tokens=10, output_tokens=20)
     assert r.output_tps() == 10.0 and r.output_tps(min) == 20.0 and r.total_tps() == 15.0
+
+
+def test_a_failing_system_becomes_a_row_and_the_others_still_run(tiny, monkeypatch):
+    from pagedserve.bench import throughput
+
+    model, tokenizer, hf_model = tiny
+    workload = small(sharegpt_like)
+
+    def stall(*args, **kwargs):
+        raise RuntimeError("transformers' continuous batching stalled")
+
+    monkeypatch.setattr(throughput, "run_hf_cb", stall)
+    monkeypatch.setattr(throughput, "load_hf_reference", lambda: hf_model)
+    monkeypatch.setattr(throughput, "run_pagedserve", lambda w, reps, *a, **k: run_pagedserve(
+        w, reps, model, tokenizer, num_kv_blocks=64, max_model_len=256))
+    results = throughput.run_throughput_bench(workload, ["hf-cb", "pagedserve"], reps=1, log=lambda _: None)
+    assert [r.system for r in results] == ["hf-cb", "pagedserve"]
+    assert "stalled" in results[0].skipped and not results[1].skipped
+    with pytest.raises(ValueError, match="unknown system"):
+        throughput.run_throughput_bench(workload, ["tgi"], reps=1)
