@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "torch", "triton", or "auto": triton on CUDA when installed, else torch
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -37,6 +39,7 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        self.attention_backend = resolve_attention_backend(self.attention_backend, torch.device(self.device))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -62,3 +65,22 @@ class EngineConfig:
         if self.max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context ({model_max_len})")
         return num_blocks, self.max_model_len
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA when Triton is installed, else "torch"; a backend that cannot run
+    here is a ValueError that says why."""
+    triton_installed = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_installed else "torch"
+    if name not in ("torch", "triton"):
+        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    if name == "triton":
+        if not triton_installed:
+            raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
+        from pagedserve.attention.triton_paged import available
+
+        reason = available(device)
+        if reason:
+            raise ValueError(reason)
+    return name

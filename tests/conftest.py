@@ -11,7 +11,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Triton kernels run under Triton's interpreter on CPU tensors (read when a kernel is defined, so
+# before anything imports pagedserve.attention.triton_paged).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -65,6 +65,7 @@ class AttentionMetadata:
     num_decodes: int
     prefill_req_indices: list[int]  # requests with more than one new token
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    backend: str = "torch"  # which attention implementation layers call (see attention/__init__.py)
     # Per-step tensors that attention layers derive from the above (e.g. masks), built by the
     # first layer that needs them and reused by the others.
     cache: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)

@@ -56,7 +56,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
-                                  config.torch_dtype, config.device)
+                                  config.torch_dtype, config.device, config.attention_backend)
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

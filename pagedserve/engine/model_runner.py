@@ -13,8 +13,9 @@ from pagedserve.models.config import ModelConfig
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str) -> None:
+                 dtype: torch.dtype, device: str, attention_backend: str = "torch") -> None:
         self.model = model
+        self.attention_backend = attention_backend
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = allocate_kv_cache(model_config.num_layers, num_blocks, block_size,
@@ -30,6 +31,7 @@ class ModelRunner:
         for request, start, n in zip(plan.requests, computed, plan.num_new_tokens):
             input_ids += request.all_token_ids[start : start + n]
         md = AttentionMetadata.build(plan.block_tables, computed, plan.num_new_tokens, self.block_size, self.device)
+        md.backend = self.attention_backend
         hidden = self.model(torch.tensor(input_ids, device=self.device), md.positions, self.kv_caches, md)
         if not sample_rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)

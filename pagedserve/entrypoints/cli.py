@@ -58,12 +58,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--seed", type=int, default=0)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
-             "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "seed"]
+             "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "attention_backend", "seed"]
     return {name: getattr(args, name) for name in names}
 
 

@@ -33,13 +33,15 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
         seed: int = 0,
         _engine: LLMEngine | None = None,
     ) -> None:
         config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                               num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed)
+                              max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+                              attention_backend=attention_backend, seed=seed)
         self.llm_engine = _engine or LLMEngine(config)
 
     @classmethod

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.sdpa import paged_attention
+from pagedserve.attention import paged_attention
 from pagedserve.attention.torch_ref import KVCache
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.layers import GatedMLP, Linear, OneDNNWeight, RMSNorm, RotaryEmbedding, apply_rotary, linear

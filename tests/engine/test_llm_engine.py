@@ -53,7 +53,7 @@ def make_llm(embedded_model, embedded_tokenizer, **overrides) -> LLM:
 
 def generate_ids(llm, prompts, **params):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **params), use_tqdm=False)
+                           SamplingParams(**({"max_tokens": MAX_TOKENS, "temperature": 0.0} | params)), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -123,6 +123,16 @@ def test_reset_prefix_cache_makes_the_next_run_cold(embedded_model, embedded_tok
     assert not llm.reset_prefix_cache()
     llm.llm_engine.abort_request("busy")
     assert_all_free(llm)
+
+
+def test_triton_backend_under_the_interpreter_gives_the_same_tokens(embedded_model, embedded_tokenizer, prompts):
+    # TRITON_INTERPRET=1 (conftest): the kernels run on CPU tensors, slowly, so few short prompts.
+    short = sorted(prompts, key=len)[:2]
+    torch_llm = make_llm(embedded_model, embedded_tokenizer, attention_backend="torch")
+    triton_llm = make_llm(embedded_model, embedded_tokenizer, attention_backend="triton")
+    assert triton_llm.llm_engine.config.attention_backend == "triton"
+    assert generate_ids(triton_llm, short, max_tokens=4) == generate_ids(torch_llm, short, max_tokens=4)
+    assert_all_free(triton_llm)
 
 
 def test_small_token_budget_chunks_every_prompt(embedded_model, embedded_tokenizer, prompts, reference):

@@ -1,0 +1,199 @@
+"""Paged attention in Triton: the GPU backend (`attention_backend="triton"`).
+
+Same contract as `torch_ref.paged_attention` (the oracle it is tested against). Three kernels,
+all reading and writing the engine's cache layout [num_blocks, block_size, num_kv_heads, head_dim]
+through the block tables, never through a gathered copy:
+- `_write_kv`: this step's K/V rows into their slots (slot < 0 marks a padded token: skipped);
+- `_decode`: one program per (one-token request, KV head); the query heads that share the KV head
+  are processed together, with an online softmax over the request's blocks;
+- `_prefill`: one program per (multi-token request, query head, tile of BLOCK_M new tokens); the
+  tile attends to the cached prefix through the block table and causally to itself, so prompts,
+  chunks and prompts behind a prefix-cache hit run alike, any number per flat batch.
+Accumulation is in float32 whatever the cache dtype (float32, bfloat16, float16); products of
+float32 inputs use full IEEE precision (no TF32).
+
+Tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors). The interpreter
+checks neither tl.dot's minimum of 16 per dimension nor out-of-bounds loads, so every load here is
+masked and tl.dot is used only on tiles of at least 16 (smaller cache blocks use a broadcast sum).
+
+Not here yet: split-K ("flash decoding") for long contexts with few requests, an fp8 KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+BLOCK_M = 16  # new tokens per prefill program
+
+
+def available(device: torch.device) -> str | None:
+    """None if the kernels can run on `device`, else why not."""
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (f"attention_backend='triton' runs on CUDA GPUs, or on the CPU under Triton's interpreter "
+            f"(TRITON_INTERPRET=1, for tests); this engine's device is {device.type!r}")
+
+
+@triton.jit
+def _write_kv(K, V, KCache, VCache, slot_mapping, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(slot_mapping + i)
+    cols = tl.arange(0, ROW_PAD)
+    mask = (cols < ROW) & (cols * 0 + slot >= 0)  # the slot broadcast to a block: a scalar mask breaks the interpreter
+    tl.store(KCache + slot * ROW + cols, tl.load(K + i * ROW + cols, mask=mask), mask=mask)
+    tl.store(VCache + slot * ROW + cols, tl.load(V + i * ROW + cols, mask=mask), mask=mask)
+
+
+@triton.jit
+def _scores(q, k, USE_DOT: tl.constexpr):
+    """q [M, D] . k [N, D] -> [M, N] in float32."""
+    if USE_DOT:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+
+
+@triton.jit
+def _weighted(p, v, USE_DOT: tl.constexpr):
+    """p [M, N] . v [N, D] -> [M, D] in float32."""
+    if USE_DOT:
+        return tl.dot(p, v, input_precision="ieee")
+    return tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+
+@triton.jit
+def _online_softmax(s, v, m, denom, acc, USE_DOT: tl.constexpr):
+    """Fold one block of scores s [M, N] (hidden keys at -inf) and values v [N, D] into the running
+    maximum m [M], softmax denominator [M] and unnormalised output acc [M, D]."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    return m_new, denom * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _weighted(p, v, USE_DOT)
+
+
+@triton.jit
+def _decode(Q, KCache, VCache, Out, token_indices, block_tables, seq_lens, table_stride, scale, window,
+            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_DOT: tl.constexpr):
+    r = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    token = tl.load(token_indices + r)
+    seq_len = tl.load(seq_lens + r)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    t = tl.arange(0, BLOCK_SIZE)
+    q_rows = token * NUM_HEADS + kv_head * GROUP + g
+    q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(Q + q_rows[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+
+    # Finite start for the running maximum: a block whose keys are all hidden adds exp(-inf) = 0.
+    m = tl.full([GROUP_PAD], -1e30, tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for b in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
+        block = tl.load(block_tables + r * table_stride + b)
+        pos = b * BLOCK_SIZE + t
+        visible = (pos < seq_len) & (pos >= first)
+        offs = ((block * BLOCK_SIZE + t) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        kv_mask = visible[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(KCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(VCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.where(visible[None, :], _scores(q, k, USE_DOT) * scale, float("-inf"))
+        m, denom, acc = _online_softmax(s, v, m, denom, acc, USE_DOT)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # padding rows have none
+    tl.store(Out + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables, seq_lens, table_stride, scale,
+             window, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+             HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    r = tl.load(req_indices + tl.program_id(0))
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    q_start = tl.load(query_start_loc + r)
+    num_new = tl.load(query_start_loc + r + 1) - q_start
+    seq_len = tl.load(seq_lens + r)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_PAD)
+    t = tl.arange(0, BLOCK_SIZE)
+    row_ok = rows < num_new
+    q_pos = seq_len - num_new + rows  # context position of each new token
+    q_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    q_offs = ((q_start + rows) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :]
+    q = tl.load(Q + q_offs, mask=q_mask, other=0.0).to(tl.float32)
+
+    # Keys this tile can see: up to its last row's position, from its first row's window start.
+    last = tl.minimum(seq_len - num_new + (tile + 1) * BLOCK_M, seq_len)
+    first = tl.where(window > 0, tl.maximum(seq_len - num_new + tile * BLOCK_M - window + 1, 0), 0)
+    m = tl.full([BLOCK_M], -1e30, tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for b in range(first // BLOCK_SIZE, tl.cdiv(last, BLOCK_SIZE)):
+        block = tl.load(block_tables + r * table_stride + b)
+        pos = b * BLOCK_SIZE + t
+        in_context = pos < last
+        offs = ((block * BLOCK_SIZE + t) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        kv_mask = in_context[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(KCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(VCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
+        visible = visible & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
+        s = tl.where(visible, _scores(q, k, USE_DOT) * scale, float("-inf"))
+        m, denom, acc = _online_softmax(s, v, m, denom, acc, USE_DOT)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # padding rows have none
+    tl.store(Out + q_offs, out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+def paged_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """`torch_ref.paged_attention`'s contract, on Triton kernels (CUDA, or the interpreter)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"the Triton backend needs a power-of-two block size, got {block_size}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    row = num_kv_heads * head_dim
+    _write_kv[(num_tokens,)](k, v, k_cache, v_cache, md.slot_mapping, ROW=row, ROW_PAD=triton.next_power_of_2(row))
+
+    out = torch.empty_like(q)
+    window = sliding_window or 0
+    head_pad = triton.next_power_of_2(head_dim)
+    tables = md.block_tables
+    if md.num_decodes:
+        group = num_heads // num_kv_heads
+        group_pad = max(triton.next_power_of_2(group), 16)
+        _decode[(md.num_decodes, num_kv_heads)](
+            q, k_cache, v_cache, out, md.decode_token_indices, md.decode_block_tables, md.decode_seq_lens,
+            md.decode_block_tables.stride(0), scale, window,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad,
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, USE_DOT=block_size >= 16,
+        )
+    if md.prefill_req_indices:
+        reqs = torch.tensor(md.prefill_req_indices, dtype=torch.int64, device=q.device)
+        _prefill[(len(md.prefill_req_indices), num_heads, triton.cdiv(md.max_query_len, BLOCK_M))](
+            q, k_cache, v_cache, out, reqs, md.query_start_loc, tables, md.seq_lens, tables.stride(0), scale,
+            window, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=block_size >= 16,
+        )
+    return out

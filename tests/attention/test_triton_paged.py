@@ -1,0 +1,68 @@
+"""The Triton backend (attention/triton_paged.py) under Triton's interpreter (TRITON_INTERPRET=1,
+set in conftest.py), against the oracle: decodes and prompts in one flat batch, over shuffled
+block tables; head sizes 64, 80 and 128; cache blocks of 8, 16 and 32; GQA groups 1, 3 and 8;
+contexts of one token, whole blocks and part blocks; a chunk behind a prefix-cache hit; windows.
+Small shapes: the interpreter runs programs one after another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.attention import torch_ref, triton_paged
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.config import EngineConfig
+
+
+def mixed_step(block_size, kv_heads, group, dim, dtype=torch.float32, seed=0):
+    """Decodes at contexts 1, 2 blocks, 2 blocks + 3; a fresh 5-token prompt; a 7-token chunk
+    behind 2 cached blocks (a prefix-cache hit)."""
+    reqs = [(0, 1), (2 * block_size - 1, 1), (2 * block_size + 2, 1), (0, 5), (2 * block_size, 7)]
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(c + n) // block_size) for c, n in reqs]
+    perm = torch.randperm(sum(needed) + 3, generator=gen).tolist()
+    tables = [perm[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(reqs))]
+    shape = (len(perm), block_size, kv_heads, dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    num_tokens = sum(n for _, n in reqs)
+    q = torch.randn(num_tokens, kv_heads * group, dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, kv_heads, dim, generator=gen).to(dtype)
+    md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
+    return q, k, v, k_cache, v_cache, md
+
+
+@pytest.mark.parametrize("block_size, kv_heads, group, dim", [
+    (16, 3, 3, 64), (8, 2, 1, 80), (32, 1, 8, 128), (8, 1, 3, 64), (32, 2, 1, 80), (16, 1, 8, 128),
+])
+@pytest.mark.parametrize("window", [None, 6])
+def test_mixed_step_matches_the_oracle(block_size, kv_heads, group, dim, window):
+    q, k, v, k_cache, v_cache, md = mixed_step(block_size, kv_heads, group, dim)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    out = triton_paged.paged_attention(q, k, v, k_cache, v_cache, md, dim**-0.5, window)
+    expected = torch_ref.paged_attention(q, k, v, ref_k, ref_v, md, dim**-0.5, window)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # the KV write kernel
+    assert (out - expected).abs().max().item() < 1e-4
+
+
+def test_half_precision_cache():
+    q, k, v, k_cache, v_cache, md = mixed_step(16, 2, 3, 64, dtype=torch.float16)
+    out = triton_paged.paged_attention(q, k, v, k_cache, v_cache, md, 0.125)
+    expected = torch_ref.paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), md, 0.125)
+    assert out.dtype == torch.float16
+    assert (out.float() - expected).abs().max().item() < 1e-2
+
+
+def test_padded_slots_are_not_written():
+    q, k, v, k_cache, v_cache, md = mixed_step(16, 1, 1, 64)
+    before = k_cache.clone()
+    md.slot_mapping[:] = -1
+    triton_paged._write_kv[(q.shape[0],)](k, v, k_cache, v_cache, md.slot_mapping, ROW=64, ROW_PAD=64)
+    assert torch.equal(k_cache, before)
+
+
+def test_without_a_gpu_or_the_interpreter_the_choice_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="CUDA GPUs, or on the CPU under Triton's interpreter"):
+        EngineConfig(device="cpu", attention_backend="triton")
+    assert EngineConfig(device="cpu").attention_backend == "torch"  # auto: torch on CPU
