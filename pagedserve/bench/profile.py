@@ -13,8 +13,9 @@ new token per request) are timed and split into
 
 The ceiling: the model's own weight matrices multiplied by a 512-token activation, one layer after
 another as a forward runs them, through torch's default CPU matmul and through oneDNN's; the
-better FLOPs / seconds is the float32 matmul rate this machine reaches on these shapes, and that rate over 2 x (matmul parameters) FLOPs per token is the most tokens/s
-any engine could compute with it.
+better FLOPs / seconds is the float32 matmul rate this machine reaches on these shapes, and that
+rate over 2 x (matmul parameters) FLOPs per token is the most tokens/s any engine could compute
+with it.
 """
 
 from __future__ import annotations
