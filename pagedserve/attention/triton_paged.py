@@ -16,7 +16,8 @@ Tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1, CPU tensor
 checks neither tl.dot's minimum of 16 per dimension nor out-of-bounds loads, so every load here is
 masked and tl.dot is used only on tiles of at least 16 (smaller cache blocks use a broadcast sum).
 
-Not here yet: split-K ("flash decoding") for long contexts with few requests, an fp8 KV cache.
+Decode splits long contexts over several programs when few requests run (split-K, "flash
+decoding"), then merges the parts (`_combine`). Not here yet: an fp8 KV cache.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from torch import Tensor
 from pagedserve.attention.metadata import AttentionMetadata
 
 BLOCK_M = 16  # new tokens per prefill program
+# Decode splits a request's context into parts of PARTITION_TOKENS when fewer than
+# SPLIT_BELOW_PROGRAMS (request, KV head) programs would run: about the SM count of a large GPU.
+PARTITION_TOKENS = 512
+SPLIT_BELOW_PROGRAMS = 128
 
 
 def available(device: torch.device) -> str | None:
@@ -80,11 +85,17 @@ def _online_softmax(s, v, m, denom, acc, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _decode(Q, KCache, VCache, Out, token_indices, block_tables, seq_lens, table_stride, scale, window,
+def _decode(Q, KCache, VCache, Out, PartMax, PartDenom, PartAcc, token_indices, block_tables, seq_lens,
+            table_stride, scale, window, part_blocks,
             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_DOT: tl.constexpr):
+            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_DOT: tl.constexpr,
+            SPLIT: tl.constexpr):
+    """Program (r, kv_head, part) attends over blocks part * part_blocks .. + part_blocks of decode
+    r. Unsplit (one part), it writes the output; split, it writes its running maximum, softmax
+    denominator and unnormalised output for `_combine`."""
     r = tl.program_id(0)
     kv_head = tl.program_id(1)
+    part = tl.program_id(2)
     token = tl.load(token_indices + r)
     seq_len = tl.load(seq_lens + r)
     first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
@@ -100,7 +111,8 @@ def _decode(Q, KCache, VCache, Out, token_indices, block_tables, seq_lens, table
     m = tl.full([GROUP_PAD], -1e30, tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    for b in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
+    start = tl.maximum(first // BLOCK_SIZE, part * part_blocks)
+    for b in range(start, tl.minimum(tl.cdiv(seq_len, BLOCK_SIZE), (part + 1) * part_blocks)):
         block = tl.load(block_tables + r * table_stride + b)
         pos = b * BLOCK_SIZE + t
         visible = (pos < seq_len) & (pos >= first)
@@ -110,8 +122,33 @@ def _decode(Q, KCache, VCache, Out, token_indices, block_tables, seq_lens, table
         v = tl.load(VCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.where(visible[None, :], _scores(q, k, USE_DOT) * scale, float("-inf"))
         m, denom, acc = _online_softmax(s, v, m, denom, acc, USE_DOT)
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # padding rows have none
-    tl.store(Out + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
+    if SPLIT:
+        num_parts = tl.num_programs(2)
+        part_rows = (r * NUM_HEADS + kv_head * GROUP + g) * num_parts + part  # [n, heads, parts]
+        tl.store(PartMax + part_rows, m, mask=g < GROUP)
+        tl.store(PartDenom + part_rows, denom, mask=g < GROUP)
+        tl.store(PartAcc + part_rows[:, None] * HEAD_PAD + d[None, :], acc, mask=q_mask)
+    else:
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # padding rows have none
+        tl.store(Out + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _combine(Out, PartMax, PartDenom, PartAcc, token_indices, NUM_HEADS: tl.constexpr, NUM_PARTS: tl.constexpr,
+             PARTS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Merge the parts of split decode (r, head): rescale each to the overall maximum."""
+    r = tl.program_id(0)
+    head = tl.program_id(1)
+    p = tl.arange(0, PARTS_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    rows = (r * NUM_HEADS + head) * NUM_PARTS + p
+    m = tl.load(PartMax + rows, mask=p < NUM_PARTS, other=-1e30)
+    denom = tl.load(PartDenom + rows, mask=p < NUM_PARTS, other=0.0)
+    acc = tl.load(PartAcc + rows[:, None] * HEAD_PAD + d[None, :], mask=(p < NUM_PARTS)[:, None], other=0.0)
+    weight = tl.exp(m - tl.max(m, axis=0))  # parts that saw no key have m = -1e30: weight 0
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(denom * weight, axis=0)
+    token = tl.load(token_indices + r)
+    tl.store(Out + (token * NUM_HEADS + head) * HEAD_DIM + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -181,14 +218,25 @@ def paged_attention(
     head_pad = triton.next_power_of_2(head_dim)
     tables = md.block_tables
     if md.num_decodes:
-        group = num_heads // num_kv_heads
-        group_pad = max(triton.next_power_of_2(group), 16)
-        _decode[(md.num_decodes, num_kv_heads)](
-            q, k_cache, v_cache, out, md.decode_token_indices, md.decode_block_tables, md.decode_seq_lens,
-            md.decode_block_tables.stride(0), scale, window,
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad,
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, USE_DOT=block_size >= 16,
+        n, group = md.num_decodes, num_heads // num_kv_heads
+        # Split-K ("flash decoding"): too few (request, KV head) programs to fill the GPU, and
+        # contexts long enough to cut, so each request's blocks are shared among several programs.
+        part_blocks = max(1, PARTITION_TOKENS // block_size)
+        parts = triton.cdiv(md.decode_block_tables.shape[1], part_blocks)
+        if n * num_kv_heads >= SPLIT_BELOW_PROGRAMS or parts < 2:
+            parts, part_blocks = 1, md.decode_block_tables.shape[1]
+        partials = [torch.empty((n, num_heads, parts, *extra), dtype=torch.float32, device=q.device)
+                    for extra in ((), (), (head_pad,))] if parts > 1 else [out] * 3
+        _decode[(n, num_kv_heads, parts)](
+            q, k_cache, v_cache, out, *partials, md.decode_token_indices, md.decode_block_tables,
+            md.decode_seq_lens, md.decode_block_tables.stride(0), scale, window, part_blocks,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+            GROUP_PAD=max(triton.next_power_of_2(group), 16), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size, USE_DOT=block_size >= 16, SPLIT=parts > 1,
         )
+        if parts > 1:
+            _combine[(n, num_heads)](out, *partials, md.decode_token_indices, NUM_HEADS=num_heads, NUM_PARTS=parts,
+                                     PARTS_PAD=triton.next_power_of_2(parts), HEAD_DIM=head_dim, HEAD_PAD=head_pad)
     if md.prefill_req_indices:
         reqs = torch.tensor(md.prefill_req_indices, dtype=torch.int64, device=q.device)
         _prefill[(len(md.prefill_req_indices), num_heads, triton.cdiv(md.max_query_len, BLOCK_M))](
