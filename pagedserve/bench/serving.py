@@ -128,3 +128,41 @@ def format_report(report: dict) -> str:
         lines.append(f"| {name[:-2].upper()} | {p['mean'] * 1e3:.1f} | {p['p50'] * 1e3:.1f} | {p['p90'] * 1e3:.1f} | "
                      f"{p['p99'] * 1e3:.1f} |")
     return "\n".join(lines)
+
+
+def format_table(reports: list[dict]) -> str:
+    """One row per request rate: throughput and p50 / p99 latencies."""
+    lines = [f"{reports[0]['workload']} against {reports[0]['url']}", "",
+             "| request rate (req/s) | completed | req/s | output tok/s | TTFT p50 / p99 (ms) | "
+             "TPOT p50 / p99 (ms) | e2e p50 / p99 (s) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in reports:
+        lines.append(f"| {r['request_rate']:g} | {r['completed']} of {r['completed'] + r['failed']} | "
+                     f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+                     f"{r['ttft_s']['p50'] * 1e3:.0f} / {r['ttft_s']['p99'] * 1e3:.0f} | "
+                     f"{r['tpot_s']['p50'] * 1e3:.0f} / {r['tpot_s']['p99'] * 1e3:.0f} | "
+                     f"{r['e2e_s']['p50']:.1f} / {r['e2e_s']['p99']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(reports: list[dict], path: str) -> None:
+    """Latency (p50, with p99 dashed) against request rate; 'inf' is drawn past the last rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [r["request_rate"] for r in reports if r["request_rate"] != float("inf")]
+    x = [r["request_rate"] if r["request_rate"] != float("inf") else 2 * max(finite, default=1) for r in reports]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (key, title, unit) in zip(axes, [("ttft_s", "time to first token", 1e3), ("tpot_s", "time per output token", 1e3),
+                                             ("e2e_s", "end-to-end latency", 1)]):
+        ax.plot(x, [r[key]["p50"] * unit for r in reports], "o-", label="p50")
+        ax.plot(x, [r[key]["p99"] * unit for r in reports], "o--", label="p99")
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s; rightmost: all at once)")
+        ax.set_ylabel("ms" if unit == 1e3 else "s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -225,16 +225,29 @@ def cmd_bench_profile(args: argparse.Namespace) -> None:
 def cmd_bench_serving(args: argparse.Namespace) -> None:
     import asyncio
 
-    from pagedserve.bench.serving import format_report, run_serving_bench
+    from pagedserve.bench.serving import format_report, format_table, plot, run_serving_bench
     from pagedserve.bench.workload import sharegpt_like
 
     workload = sharegpt_like(num_requests=args.num_requests, seed=args.seed, output_len=(16, args.max_output_len))
-    report = asyncio.run(run_serving_bench(args.url.rstrip("/"), workload, args.request_rate, args.model_name,
-                                           seed=args.seed, api_key=args.api_key))
-    print(format_report(report))
+    reports = []
+    for rate in args.request_rate:
+        reports.append(asyncio.run(run_serving_bench(args.url.rstrip("/"), workload, rate, args.model_name,
+                                                     seed=args.seed, api_key=args.api_key)))
+        print(format_report(reports[-1]) + "\n")
+    if len(reports) > 1:
+        print(format_table(reports))
+    if args.out_dir:
+        import os
+
+        os.makedirs(args.out_dir, exist_ok=True)
+        stem = os.path.join(args.out_dir, "bench_serving")
+        with open(stem + ".md", "w") as f:
+            f.write(format_table(reports) + "\n")
+        plot(reports, stem + ".png")
+        print(f"wrote {stem}.md and {stem}.png")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(reports if len(reports) > 1 else reports[0], f, indent=2)
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
@@ -340,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = bench.add_parser("serving", help="load generator against an OpenAI-compatible server")
     srv.add_argument("--url", default="http://127.0.0.1:8000")
-    srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
+    srv.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                     help="requests per second (inf: all at once); several rates give a latency-vs-rate table")
+    srv.add_argument("--out-dir", default=None, help="write bench_serving.md and .png (latency vs rate) here")
     srv.add_argument("--num-requests", type=int, default=64)
     srv.add_argument("--max-output-len", type=int, default=256)
     srv.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="the model name the server serves")
