@@ -3,18 +3,16 @@
 Same contract and results as `torch_ref.paged_attention` (the oracle it is tested against), with
 fewer and cheaper ops per layer:
 - on CPU in float32, one-token requests (decodes) run in the C kernel of `cpu_kernel`, which reads
-  K/V in place through the block tables; elsewhere (or without a C compiler) they run through
-  torch's fused scaled_dot_product_attention as below;
-- for SDPA, K/V are gathered a whole block at a time (`index_select` of contiguous rows of
-  block_size * kv_heads * head_dim values) rather than by advanced indexing, and read as
-  [batch, kv_heads, keys, dim] strided views: no copy for the attention layout;
-- one-token requests (decodes) run as a few groups of similar context length
-  (`AttentionMetadata.decode_groups`): little padding, and each group's gathered K/V stays in
-  cache while SDPA reads it. Within a group, the query heads that share a KV head are that head's
-  query rows, so grouped-query attention copies nothing either;
+  K/V in place through the block tables;
+- elsewhere (another dtype or device, no C compiler) decodes run through torch's fused
+  scaled_dot_product_attention in a few groups of similar context length
+  (`AttentionMetadata.decode_groups`): little padding, and each group's K/V, gathered a whole
+  block at a time (`index_select` of contiguous rows) and read as [batch, kv_heads, keys, dim]
+  strided views, stays in cache while SDPA reads it. Within a group, the query heads that share a
+  KV head are that head's query rows, so grouped-query attention copies nothing;
 - multi-token requests (prompts, chunks) run one at a time in the oracle's own arithmetic
-  (`torch_ref.attend`, transformers' order of operations), so prompt logits stay bit-identical
-  to transformers'; this costs ~1% of a prefill step against SDPA;
+  (`torch_ref.attend`, transformers' order of operations); this cost ~1% of a prefill step
+  against SDPA when measured;
 - masks are built once per step by the first layer and reused by the others (`md.cache`).
 """
 
