@@ -7,8 +7,9 @@ each K/V row in place through the block table, once: on the 2-core test machine,
 
 The source is compiled with the system C compiler ($CC, else cc) the first time it is needed, to a
 shared library cached under $PAGEDSERVE_CACHE_DIR (default ~/.cache/pagedserve) and keyed by the
-source, the flags and the compiler, so an edit or another machine never loads a stale build. It
-links OpenMP: the process already has torch's libgomp loaded, so both share one thread pool.
+source, the flags, the compiler and the CPU's features, so an edit or another machine never loads
+a stale build. It links OpenMP: the process already has torch's libgomp loaded, so both share one
+thread pool.
 Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls
 back to the SDPA path (a warning says why, once).
 """
@@ -19,6 +20,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -38,10 +40,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
 
 
+def cpu_features() -> str:
+    """What -march=native compiles for: a build for one CPU must not be loaded on another that
+    shares the cache directory (a home on a network drive)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def compile_kernel(compiler: str) -> Path:
-    """Compile SOURCE (or reuse the cached build for this source, flags and compiler)."""
+    """Compile SOURCE (or reuse the cached build for this source, flags, compiler and CPU)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, cpu_features()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"paged_decode-{key}.so"
     if target.exists():
         return target
@@ -62,7 +78,7 @@ def load() -> ctypes.CDLL | None:
     """The kernel library, compiled if needed; None if it is disabled or cannot be built."""
     if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         warnings.warn("no C compiler found: decode attention uses the slower SDPA path", stacklevel=2)
         return None
