@@ -13,8 +13,6 @@ from torch import Tensor
 from pagedserve.attention import sdpa
 from pagedserve.attention.metadata import AttentionMetadata
 
-BACKENDS = ("torch", "triton")
-
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> Tensor:

@@ -11,8 +11,7 @@ fewer and cheaper ops per layer:
   strided views, stays in cache while SDPA reads it. Within a group, the query heads that share a
   KV head are that head's query rows, so grouped-query attention copies nothing;
 - multi-token requests (prompts, chunks) run one at a time in the oracle's own arithmetic
-  (`torch_ref.attend`, transformers' order of operations); this cost ~1% of a prefill step
-  against SDPA when measured;
+  (`torch_ref.attend`, transformers' order of operations);
 - masks are built once per step by the first layer and reused by the others (`md.cache`).
 """
 
@@ -37,14 +36,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> Tensor:
-    """Store this step's K/V in their slots, then attend for every request over its whole context.
-
-    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
-    Returns [num_tokens, num_heads, head_dim]. A token at context position p sees positions
-    p - sliding_window < j <= p (all j <= p without a window).
-    """
+    """`torch_ref.paged_attention`'s contract, on the paths in this module's docstring."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
     k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
@@ -53,18 +46,8 @@ def paged_attention(
     if md.num_decodes and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
         cpu_kernel.decode_attention(q.contiguous(), k_cache, v_cache, out, md.decode_token_indices,
                                     md.decode_block_tables, md.decode_seq_lens, scale, sliding_window)
-        decode_groups = []
-    else:
-        decode_groups = md.decode_groups
-    for i, group in enumerate(decode_groups):
-        n = group.token_indices.shape[0]
-        shape = (n, -1, num_kv_heads, head_dim)
-        keys = k_blocks.index_select(0, group.block_ids).view(shape).transpose(1, 2)  # [n, kv_heads, keys, dim]
-        values = v_blocks.index_select(0, group.block_ids).view(shape).transpose(1, 2)
-        bias = _decode_bias(md, i, keys.shape[2], sliding_window, q.dtype)
-        dq = q.index_select(0, group.token_indices).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(dq, keys, values, attn_mask=bias, scale=scale)
-        out.index_copy_(0, group.token_indices, o.view(n, num_heads, head_dim))
+    elif md.num_decodes:
+        _decode_in_groups(q, k_blocks, v_blocks, out, md, num_kv_heads, scale, sliding_window)
 
     qsl = md.query_start_loc_cpu
     for i in md.prefill_req_indices:
@@ -75,6 +58,21 @@ def paged_attention(
         mask = _prefill_mask(md, i, sliding_window)
         out[start:end] = attend(q[None, start:end], keys[None], values[None], mask[None], scale)[0]
     return out
+
+
+def _decode_in_groups(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, out: Tensor, md: AttentionMetadata,
+                      num_kv_heads: int, scale: float, window: int | None) -> None:
+    """Decodes through SDPA, one `md.decode_groups` group at a time, into out."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    for i, group in enumerate(md.decode_groups):
+        n = group.token_indices.shape[0]
+        shape = (n, -1, num_kv_heads, head_dim)
+        keys = k_blocks.index_select(0, group.block_ids).view(shape).transpose(1, 2)  # [n, kv_heads, keys, dim]
+        values = v_blocks.index_select(0, group.block_ids).view(shape).transpose(1, 2)
+        bias = _decode_bias(md, i, keys.shape[2], window, q.dtype)
+        dq = q.index_select(0, group.token_indices).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(dq, keys, values, attn_mask=bias, scale=scale)
+        out.index_copy_(0, group.token_indices, o.view(n, num_heads, head_dim))
 
 
 def _decode_bias(md: AttentionMetadata, i: int, num_keys: int, window: int | None, dtype: torch.dtype) -> Tensor:
