@@ -14,6 +14,7 @@ runs the GGUF (Q4_1) natively.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -28,6 +29,7 @@ import torch
 from pagedserve.bench.workload import Workload
 
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
+SYSTEMS = ("pagedserve", "hf-static", "hf-cb", "vllm", "llamacpp")
 
 
 @dataclass
@@ -209,16 +211,17 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
                          log=print) -> list[SystemResult]:
     from pagedserve.models.loader import embedded_model_path, load_model, load_tokenizer
 
-    unknown = set(systems) - {"pagedserve", "hf-static", "hf-cb", "vllm", "llamacpp"}
+    unknown = set(systems) - set(SYSTEMS)
     if unknown:
-        raise ValueError(f"unknown system {sorted(unknown)}: choose from pagedserve, hf-static, hf-cb, vllm, llamacpp")
-    loaded: dict[str, object] = {}
+        raise ValueError(f"unknown system {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
 
+    @functools.cache  # loaded once, by the first run that needs it
     def ours():
-        return loaded.setdefault("ours", (load_model(), load_tokenizer()))
+        return load_model(), load_tokenizer()
 
+    @functools.cache
     def hf_model():
-        return loaded.setdefault("hf", load_hf_reference())
+        return load_hf_reference()
 
     runs = []  # (label, thunk returning a SystemResult): one per row of the table
     for system in systems:
