@@ -11,27 +11,20 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
-from server_harness import MODEL, serve  # noqa: E402
+from server_harness import MODEL, serve_engine  # noqa: E402
 
 from pagedserve.bench.serving import format_report, format_table, plot, run_serving_bench  # noqa: E402
 from pagedserve.bench.workload import sharegpt_like  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedserve.entrypoints.openai.api_server import build_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def url(embedded_model, embedded_tokenizer):
     engine = LLMEngine(EngineConfig(num_kv_blocks=256, max_model_len=1024), model=embedded_model,
                        tokenizer=embedded_tokenizer)
-    async_engine = AsyncLLMEngine(engine)
-    async_engine.start()
-    try:
-        with serve(build_app(async_engine, MODEL)) as base:
-            yield base
-    finally:
-        async_engine.shutdown()
+    with serve_engine(engine) as server:
+        yield server.url
 
 
 def test_load_generator_measures_every_request(url, tmp_path):

@@ -6,26 +6,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from server_harness import MODEL, Server, serve
+from server_harness import Server, serve_engine
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
-from pagedserve.entrypoints.openai.api_server import build_app
 
 
 @pytest.fixture(scope="module")
 def server(embedded_model, embedded_tokenizer) -> Iterator[Server]:
     engine = LLMEngine(EngineConfig(num_kv_blocks=512, max_model_len=2048), model=embedded_model,
                        tokenizer=embedded_tokenizer)
-    async_engine = AsyncLLMEngine(engine)
-    async_engine.start()
-    try:
-        with serve(build_app(async_engine, MODEL)) as url:
-            yield Server(url, engine, async_engine)
-    finally:
-        async_engine.shutdown()
+    with serve_engine(engine) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

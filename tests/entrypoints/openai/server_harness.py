@@ -1,5 +1,5 @@
-"""Test helpers for the server: run an app on real uvicorn on a free loopback port in a thread, and
-read /metrics with prometheus-client's parser."""
+"""Test helpers for the server: run an app on real uvicorn on a free loopback port in a thread (or
+an engine behind the OpenAI app: `serve_engine`), and read /metrics with prometheus-client's parser."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.entrypoints.openai.api_server import build_app
 
 MODEL = "smollm2-test"
 
@@ -66,6 +67,18 @@ class Server:
                 return m
             assert time.monotonic() < deadline, f"still busy after {timeout}s: {m}"
             time.sleep(0.05)
+
+
+@contextmanager
+def serve_engine(engine: LLMEngine) -> Iterator[Server]:
+    """`engine` behind the OpenAI app (through an AsyncLLMEngine), served on loopback as MODEL."""
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+    try:
+        with serve(build_app(async_engine, MODEL)) as url:
+            yield Server(url, engine, async_engine)
+    finally:
+        async_engine.shutdown()
 
 
 def read_metrics(url: str) -> dict[str, float]:
