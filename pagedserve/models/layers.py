@@ -79,8 +79,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class OneDNNWeight:
     """A weight's copy in oneDNN's blocked layout, remade whenever the weight is replaced or
-    written. Packed for batches of about PACK_ROWS rows (a hint: any row count works); packing
-    took a decode step's matmuls at batch 64 from 88 to 74 ms against a plain copy."""
+    written. Packed for batches of about PACK_ROWS rows (a hint: any row count works): the 120
+    layer matmuls of the embedded model's shapes at 64 rows took 74 ms packed, 88 ms from a plain
+    oneDNN copy, on the 2-core test machine."""
 
     PACK_ROWS = 64
 
