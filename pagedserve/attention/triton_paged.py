@@ -1,6 +1,6 @@
 """Paged attention in Triton: the GPU backend (`attention_backend="triton"`).
 
-Same contract as `torch_ref.paged_attention` (the oracle it is tested against). Three kernels,
+Same contract as `torch_ref.paged_attention` (the oracle it is tested against). Its kernels,
 all reading and writing the engine's cache layout [num_blocks, block_size, num_kv_heads, head_dim]
 through the block tables, never through a gathered copy:
 - `_write_kv`: this step's K/V rows into their slots (slot < 0 marks a padded token: skipped);
@@ -13,8 +13,9 @@ Accumulation is in float32 whatever the cache dtype (float32, bfloat16, float16)
 float32 inputs use full IEEE precision (no TF32).
 
 Tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors). The interpreter
-checks neither tl.dot's minimum of 16 per dimension nor out-of-bounds loads, so every load here is
-masked and tl.dot is used only on tiles of at least 16 (smaller cache blocks use a broadcast sum).
+checks neither tl.dot's minimum of 16 per dimension nor out-of-bounds loads, so every tile load
+here is masked (scalar loads of tables and lengths stay in bounds by construction) and tl.dot is
+used only on tiles of at least 16 (smaller cache blocks use a broadcast sum).
 
 Decode splits long contexts over several programs when few requests run (split-K, "flash
 decoding"), then merges the parts (`_combine`). Not here yet: an fp8 KV cache.
@@ -205,7 +206,7 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> Tensor:
     """`torch_ref.paged_attention`'s contract, on Triton kernels (CUDA, or the interpreter)."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if block_size & (block_size - 1):
         raise ValueError(f"the Triton backend needs a power-of-two block size, got {block_size}")
@@ -226,7 +227,7 @@ def paged_attention(
         if n * num_kv_heads >= SPLIT_BELOW_PROGRAMS or parts < 2:
             parts, part_blocks = 1, md.decode_block_tables.shape[1]
         partials = [torch.empty((n, num_heads, parts, *extra), dtype=torch.float32, device=q.device)
-                    for extra in ((), (), (head_pad,))] if parts > 1 else [out] * 3
+                    for extra in ((), (), (head_pad,))] if parts > 1 else [out] * 3  # unread when unsplit
         _decode[(n, num_kv_heads, parts)](
             q, k_cache, v_cache, out, *partials, md.decode_token_indices, md.decode_block_tables,
             md.decode_seq_lens, md.decode_block_tables.stride(0), scale, window, part_blocks,

@@ -2,8 +2,8 @@
  *
  * Each request brings one query token and reads its K/V in place through its block table: no
  * gathered copy of the context is ever made, so every K/V row crosses the memory bus once per
- * step. Work is split over (request, KV head) pairs; the query heads that share a KV head are
- * scored against each K row while it is in L1.
+ * step. Threads take whole requests; within one, each block's K/V rows (all KV heads, contiguous)
+ * are read in order and reused from L1 by the query heads that share them.
  *
  * Built by pagedserve/attention/cpu_kernel.py with the system C compiler on first use and called
  * through ctypes; tests/attention/test_cpu_kernel.py holds it against the torch oracle.
