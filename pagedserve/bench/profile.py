@@ -20,6 +20,7 @@ with it.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import defaultdict
@@ -107,28 +108,25 @@ def profile_decode(model, tokenizer, batch: int, steps: int = 20, torch_profile:
     timers.wrap(engine, "sampler", "sample")
     timers.wrap(SamplingBatch, "build", "sample_build")
     rows = []
-    profiler = torch.profiler.profile() if torch_profile else None
     try:
-        if profiler:
-            profiler.__enter__()
-        for _ in range(steps):
-            start = time.perf_counter()
-            engine.step()
-            total = time.perf_counter() - start
-            t = timers.take()
-            row = {"schedule": t.get("schedule", 0.0), "prepare": t["execute"] - t["forward"] - t["logits"],
-                   "forward": t["forward"], "logits": t["logits"],
-                   "sample": t.get("sample", 0.0) + t.get("sample_build", 0.0)}
-            row["engine"] = total - sum(row.values())
-            rows.append((total, row))
-    finally:
-        if profiler:
-            profiler.__exit__(None, None, None)
+        with torch.profiler.profile() if torch_profile else contextlib.nullcontext() as profiler:
+            for _ in range(steps):
+                start = time.perf_counter()
+                engine.step()
+                total = time.perf_counter() - start
+                t = timers.take()
+                row = {"schedule": t.get("schedule", 0.0), "prepare": t["execute"] - t["forward"] - t["logits"],
+                       "forward": t["forward"], "logits": t["logits"],
+                       "sample": t.get("sample", 0.0) + t.get("sample_build", 0.0)}
+                row["engine"] = total - sum(row.values())
+                rows.append((total, row))
+        if torch_profile:
             print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    finally:
         timers.restore()
     context = statistics.mean(r.num_tokens for r in engine.scheduler.running)
-    for request_id in list(engine._groups):
-        engine.abort_request(request_id)
+    for i in range(batch):
+        engine.abort_request(str(i))
     return StepProfile(batch, context, statistics.median(total for total, _ in rows),
                        {k: statistics.median(row[k] for _, row in rows) for k in PARTS})
 
