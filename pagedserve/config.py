@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.attention.kv_quant import resolve_kv_cache_dtype
+
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in float32
 
 
@@ -17,7 +19,11 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU; on CUDA, what gpu_memory_utilization leaves
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" (e4m3, per-tensor scales) or a float dtype
+    calculate_kv_scales: bool = False  # fp8: set each layer's scales from the first forward pass (else 1.0)
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory the engine may take, all told
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, without capturing CUDA graphs
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
@@ -39,17 +45,38 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)  # a bad name fails here, not at a step
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.attention_backend = resolve_attention_backend(self.attention_backend, torch.device(self.device))
+        if self.kv_torch_dtype == torch.float8_e4m3fn and self.attention_backend == "triton":
+            from pagedserve.attention.triton_paged import fp8_supported
+
+            reason = fp8_supported(torch.device(self.device))
+            if reason:
+                raise ValueError(reason)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    def resolve_kv_pool(self, kv_bytes_per_token: int, model_max_len: int) -> tuple[int, int]:
-        """(num_kv_blocks, max_model_len) for a model with this KV footprint and context."""
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type (raises ValueError for an unknown kv_cache_dtype)."""
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
+
+    @property
+    def measures_kv_budget(self) -> bool:
+        """Whether the KV pool's size comes from profiling free GPU memory (CUDA, no size given)."""
+        return self.device.startswith("cuda") and self.num_kv_blocks is None and self.kv_cache_memory_bytes is None
+
+    def resolve_kv_pool(self, kv_bytes_per_token: int, model_max_len: int,
+                        measured_budget: int | None = None) -> tuple[int, int]:
+        """(num_kv_blocks, max_model_len) for a model with this KV footprint and context.
+        measured_budget: the bytes profiling found free on a GPU (see `measures_kv_budget`)."""
         num_blocks = self.num_kv_blocks
         if num_blocks is None:
-            budget = self.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            budget = self.kv_cache_memory_bytes or measured_budget or DEFAULT_CPU_KV_CACHE_BYTES
             num_blocks = budget // (kv_bytes_per_token * self.block_size)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {self.block_size} tokens")

@@ -15,9 +15,9 @@ from pagedserve.attention.metadata import AttentionMetadata
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> Tensor:
+                    scale: float, sliding_window: int | None = None, kv_scales: Tensor | None = None) -> Tensor:
     if md.backend == "triton":
         from pagedserve.attention import triton_paged
 
-        return triton_paged.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window)
-    return sdpa.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window)
+        return triton_paged.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, kv_scales)
+    return sdpa.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, kv_scales)

@@ -67,6 +67,7 @@ class AttentionMetadata:
     num_decodes: int
     prefill_req_indices: list[int]  # requests with more than one new token
     backend: str = "torch"  # which attention implementation layers call (see attention/__init__.py)
+    calculate_kv_scales: bool = False  # layers set their fp8 cache's scales from this step's K/V
     # Per-step tensors that attention layers derive from the above (e.g. masks), built by the
     # first layer that needs them and reused by the others.
     cache: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)

@@ -12,7 +12,8 @@ fewer and cheaper ops per layer:
   KV head are that head's query rows, so grouped-query attention copies nothing;
 - multi-token requests (prompts, chunks) run one at a time in the oracle's own arithmetic
   (`torch_ref.attend`, transformers' order of operations);
-- masks are built once per step by the first layer and reused by the others (`md.cache`).
+- masks are built once per step by the first layer and reused by the others (`md.cache`);
+- an fp8 cache is gathered as bytes and dequantized per group or request (`torch_ref.gather_blocks`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from pagedserve.attention import cpu_kernel
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import attend, visible
+from pagedserve.attention.torch_ref import attend, gather_blocks, store_kv, unit_scales, visible
 
 
 def paged_attention(
@@ -35,40 +36,41 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: Tensor | None = None,
 ) -> Tensor:
     """`torch_ref.paged_attention`'s contract, on the paths in this module's docstring."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
-    k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
+    kv_scales = unit_scales(kv_scales, q.device)
+    store_kv(k_cache, v_cache, k, v, md.slot_mapping, kv_scales)
+    k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # one row per block
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
 
     if md.num_decodes and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
         cpu_kernel.decode_attention(q.contiguous(), k_cache, v_cache, out, md.decode_token_indices,
                                     md.decode_block_tables, md.decode_seq_lens, scale, sliding_window)
     elif md.num_decodes:
-        _decode_in_groups(q, k_blocks, v_blocks, out, md, num_kv_heads, scale, sliding_window)
+        _decode_in_groups(q, k_blocks, v_blocks, kv_scales, out, md, num_kv_heads, scale, sliding_window)
 
     qsl = md.query_start_loc_cpu
     for i in md.prefill_req_indices:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
         blocks = md.block_tables[i, : -(-seq_len // block_size)]
-        keys = k_blocks.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        values = v_blocks.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        keys = gather_blocks(k_blocks, blocks, q.dtype, kv_scales[0]).view(-1, num_kv_heads, head_dim)[:seq_len]
+        values = gather_blocks(v_blocks, blocks, q.dtype, kv_scales[1]).view(-1, num_kv_heads, head_dim)[:seq_len]
         mask = _prefill_mask(md, i, sliding_window)
         out[start:end] = attend(q[None, start:end], keys[None], values[None], mask[None], scale)[0]
     return out
 
 
-def _decode_in_groups(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, out: Tensor, md: AttentionMetadata,
-                      num_kv_heads: int, scale: float, window: int | None) -> None:
+def _decode_in_groups(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, kv_scales: Tensor, out: Tensor,
+                      md: AttentionMetadata, num_kv_heads: int, scale: float, window: int | None) -> None:
     """Decodes through SDPA, one `md.decode_groups` group at a time, into out."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     for i, group in enumerate(md.decode_groups):
         n = group.token_indices.shape[0]
         shape = (n, -1, num_kv_heads, head_dim)
-        keys = k_blocks.index_select(0, group.block_ids).view(shape).transpose(1, 2)  # [n, kv_heads, keys, dim]
-        values = v_blocks.index_select(0, group.block_ids).view(shape).transpose(1, 2)
+        keys = gather_blocks(k_blocks, group.block_ids, q.dtype, kv_scales[0]).view(shape).transpose(1, 2)
+        values = gather_blocks(v_blocks, group.block_ids, q.dtype, kv_scales[1]).view(shape).transpose(1, 2)
         bias = _decode_bias(md, i, keys.shape[2], window, q.dtype)
         dq = q.index_select(0, group.token_indices).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(dq, keys, values, attn_mask=bias, scale=scale)

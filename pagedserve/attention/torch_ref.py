@@ -2,7 +2,7 @@
 
 K/V live in per-layer tensors [num_blocks, block_size, num_kv_heads, head_dim]; a request's
 context is read through its block table, so where its blocks sit in the pool never changes the
-result.
+result. An fp8 cache holds K/V divided by its layer's scales (`kv_quant`); reads multiply back.
 """
 
 from __future__ import annotations
@@ -11,9 +11,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from typing import NamedTuple
+
+from pagedserve.attention.kv_quant import as_bytes, dequantize, is_fp8, quantize
 from pagedserve.attention.metadata import AttentionMetadata
 
-KVCache = tuple[Tensor, Tensor]
+
+class KVCache(NamedTuple):
+    """One layer's cache."""
+
+    k: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v: Tensor
+    scales: Tensor  # [2] float32: K's and V's scale, read only by an fp8 cache
 
 
 def allocate_kv_cache(
@@ -25,14 +34,16 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> list[KVCache]:
-    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+    """One KVCache per layer, K and V each [num_blocks, block_size, num_kv_heads, head_dim] of
+    `dtype` (the cache's element type: the model's, or kv_quant.FP8_DTYPE), scales 1.0.
 
     Zero-filled: a slot nobody wrote is masked out, but 0 * NaN would still leak garbage into the
     probability-weighted sum of V.
     """
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                torch.ones(2, dtype=torch.float32, device=device))
         for _ in range(num_layers)
     ]
 
@@ -54,23 +65,24 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: Tensor | None = None,
 ) -> Tensor:
     """Store this step's K/V in their slots, then attend for every request over its whole context.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim]. A token at context position p sees positions
-    p - sliding_window < j <= p (all j <= p without a window).
+    p - sliding_window < j <= p (all j <= p without a window). kv_scales: the layer's
+    KVCache.scales, used by an fp8 cache (default 1.0).
     """
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
+    kv_scales = unit_scales(kv_scales, q.device)
+    store_kv(k_cache, v_cache, k, v, md.slot_mapping, kv_scales)
     out = torch.empty_like(q)
 
     if md.num_decodes:
         # Hot path: one gather for all single-token requests, padded to the longest of them.
         tables = md.decode_block_tables
-        keys = k_cache[tables].flatten(1, 2)  # [decodes, max_blocks * block_size, kv_heads, head_dim]
-        values = v_cache[tables].flatten(1, 2)
+        keys = gather_blocks(k_cache, tables, q.dtype, kv_scales[0]).flatten(1, 2)  # [decodes, keys, kv_heads, dim]
+        values = gather_blocks(v_cache, tables, q.dtype, kv_scales[1]).flatten(1, 2)
         query_pos = (md.decode_seq_lens - 1)[:, None, None]  # [decodes, 1 query, 1]
         mask = visible(query_pos, keys.shape[1], sliding_window)
         dq = q.index_select(0, md.decode_token_indices).unsqueeze(1)
@@ -80,12 +92,30 @@ def paged_attention(
     for i in md.prefill_req_indices:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
         table = md.block_tables[i, : -(-seq_len // block_size)]
-        keys = k_cache[table].flatten(0, 1)[:seq_len]
-        values = v_cache[table].flatten(0, 1)[:seq_len]
+        keys = gather_blocks(k_cache, table, q.dtype, kv_scales[0]).flatten(0, 1)[:seq_len]
+        values = gather_blocks(v_cache, table, q.dtype, kv_scales[1]).flatten(0, 1)[:seq_len]
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device).unsqueeze(1)
         mask = visible(query_pos, seq_len, sliding_window)
         out[start:end] = attend(q[None, start:end], keys[None], values[None], mask[None], scale)[0]
     return out
+
+
+def unit_scales(kv_scales: Tensor | None, device: torch.device) -> Tensor:
+    return kv_scales if kv_scales is not None else torch.ones(2, dtype=torch.float32, device=device)
+
+
+def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor, kv_scales: Tensor) -> None:
+    """Write each new token's K/V row into its slot (an fp8 cache: divided by the scale)."""
+    for cache, x, scale in ((k_cache, k, kv_scales[0]), (v_cache, v, kv_scales[1])):
+        if is_fp8(cache):
+            x = quantize(x, scale)
+        as_bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, as_bytes(x))
+
+
+def gather_blocks(cache: Tensor, block_ids: Tensor, dtype: torch.dtype, scale: Tensor) -> Tensor:
+    """cache[block_ids] (any shape of ids) as `dtype` (an fp8 cache: times the scale)."""
+    rows = as_bytes(cache).index_select(0, block_ids.flatten())
+    return dequantize(rows.view(cache.dtype).view(*block_ids.shape, *cache.shape[1:]), dtype, scale)
 
 
 def visible(query_pos: Tensor, num_keys: int, sliding_window: int | None) -> Tensor:

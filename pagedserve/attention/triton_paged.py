@@ -9,8 +9,10 @@ through the block tables, never through a gathered copy:
 - `_prefill`: one program per (multi-token request, query head, tile of BLOCK_M new tokens); the
   tile attends to the cached prefix through the block table and causally to itself, so prompts,
   chunks and prompts behind a prefix-cache hit run alike, any number per flat batch.
-Accumulation is in float32 whatever the cache dtype (float32, bfloat16, float16); products of
-float32 inputs use full IEEE precision (no TF32).
+Accumulation is in float32 whatever the cache dtype (float32, bfloat16, float16, fp8 e4m3);
+products of float32 inputs use full IEEE precision (no TF32). An fp8 cache (`kv_quant`) is written
+as x / scale, rounded to nearest even as torch rounds, and read with its per-tensor scales folded
+into the scores (K) and the output (V), not into every element.
 
 Tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors). The interpreter
 checks neither tl.dot's minimum of 16 per dimension nor out-of-bounds loads, so every tile load
@@ -18,7 +20,7 @@ here is masked (scalar loads of tables and lengths stay in bounds by constructio
 used only on tiles of at least 16 (smaller cache blocks use a broadcast sum).
 
 Decode splits long contexts over several programs when few requests run (split-K, "flash
-decoding"), then merges the parts (`_combine`). Not here yet: an fp8 KV cache.
+decoding"), then merges the parts (`_combine`).
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.attention.kv_quant import FP8_MAX, is_fp8
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.torch_ref import unit_scales
 
 BLOCK_M = 16  # new tokens per prefill program
 # Decode splits a request's context into parts of PARTITION_TOKENS when fewer than
 # SPLIT_BELOW_PROGRAMS (request, KV head) programs would run: about the SM count of a large GPU.
 PARTITION_TOKENS = 512
 SPLIT_BELOW_PROGRAMS = 128
+_FP8_MAX = tl.constexpr(FP8_MAX)  # Triton reads module globals only as constexprs
 
 
 def available(device: torch.device) -> str | None:
@@ -49,14 +54,49 @@ def available(device: torch.device) -> str | None:
             f"(TRITON_INTERPRET=1, for tests); this engine's device is {device.type!r}")
 
 
+def fp8_supported(device: torch.device) -> str | None:
+    """None if the kernels can use an fp8 cache on `device`, else why not (e4m3 needs sm_89+)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return f"kv_cache_dtype='fp8' with the Triton backend needs a GPU of compute capability 8.9 or newer"
+    return None
+
+
 @triton.jit
-def _write_kv(K, V, KCache, VCache, slot_mapping, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+def _write_kv(K, V, KCache, VCache, slot_mapping, Scales, ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+              FP8: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slot_mapping + i)
     cols = tl.arange(0, ROW_PAD)
     mask = (cols < ROW) & (cols * 0 + slot >= 0)  # the slot broadcast to a block: a scalar mask breaks the interpreter
-    tl.store(KCache + slot * ROW + cols, tl.load(K + i * ROW + cols, mask=mask), mask=mask)
-    tl.store(VCache + slot * ROW + cols, tl.load(V + i * ROW + cols, mask=mask), mask=mask)
+    k = tl.load(K + i * ROW + cols, mask=mask)
+    v = tl.load(V + i * ROW + cols, mask=mask)
+    if FP8:
+        k = _quantize(k, tl.load(Scales), KCache.dtype.element_ty)
+        v = _quantize(v, tl.load(Scales + 1), VCache.dtype.element_ty)
+    tl.store(KCache + slot * ROW + cols, k, mask=mask)
+    tl.store(VCache + slot * ROW + cols, v, mask=mask)
+
+
+@triton.jit
+def _quantize(x, scale, dtype: tl.constexpr):
+    """x / scale in e4m3, clamped to +-448 and rounded to nearest even, as kv_quant.quantize does.
+
+    The rounding happens in float32 so that the cast itself is exact: Triton's interpreter (3.9)
+    rounds up a mantissa of all ones without carrying into the exponent (31.9 became 16, not 32)."""
+    y = tl.clamp(x.to(tl.float32) / scale, -_FP8_MAX, _FP8_MAX)
+    bits = y.to(tl.int32, bitcast=True)  # keep 3 of float32's 23 mantissa bits, ties to even
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # Below 2^-6: multiples of 2^-9 (adding 1.5 * 2^14 rounds there), with y's sign, zeros included.
+    subnormal = ((tl.abs(y) + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -0x80000000)
+    y = tl.where(tl.abs(y) < 0.015625, subnormal.to(tl.float32, bitcast=True), normal)
+    return y.to(dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _kv_scales(Scales, FP8: tl.constexpr):
+    if FP8:
+        return tl.load(Scales), tl.load(Scales + 1)
+    return 1.0, 1.0
 
 
 @triton.jit
@@ -87,10 +127,10 @@ def _online_softmax(s, v, m, denom, acc, USE_DOT: tl.constexpr):
 
 @triton.jit
 def _decode(Q, KCache, VCache, Out, PartMax, PartDenom, PartAcc, token_indices, block_tables, seq_lens,
-            table_stride, scale, window, part_blocks,
+            table_stride, scale, window, part_blocks, Scales,
             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
             HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_DOT: tl.constexpr,
-            SPLIT: tl.constexpr):
+            SPLIT: tl.constexpr, FP8: tl.constexpr):
     """Program (r, kv_head, part) attends over blocks part * part_blocks .. + part_blocks of decode
     r. Unsplit (one part), it writes the output; split, it writes its running maximum, softmax
     denominator and unnormalised output for `_combine`."""
@@ -100,6 +140,7 @@ def _decode(Q, KCache, VCache, Out, PartMax, PartDenom, PartAcc, token_indices, 
     token = tl.load(token_indices + r)
     seq_len = tl.load(seq_lens + r)
     first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    k_scale, v_scale = _kv_scales(Scales, FP8)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_PAD)
@@ -121,8 +162,9 @@ def _decode(Q, KCache, VCache, Out, PartMax, PartDenom, PartAcc, token_indices, 
         kv_mask = visible[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(KCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(VCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.where(visible[None, :], _scores(q, k, USE_DOT) * scale, float("-inf"))
+        s = tl.where(visible[None, :], _scores(q, k, USE_DOT) * (scale * k_scale), float("-inf"))
         m, denom, acc = _online_softmax(s, v, m, denom, acc, USE_DOT)
+    acc = acc * v_scale
     if SPLIT:
         num_parts = tl.num_programs(2)
         part_rows = (r * NUM_HEADS + kv_head * GROUP + g) * num_parts + part  # [n, heads, parts]
@@ -154,8 +196,9 @@ def _combine(Out, PartMax, PartDenom, PartAcc, token_indices, NUM_HEADS: tl.cons
 
 @triton.jit
 def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables, seq_lens, table_stride, scale,
-             window, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-             HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+             window, Scales, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+             HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+             FP8: tl.constexpr):
     r = tl.load(req_indices + tl.program_id(0))
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -163,6 +206,7 @@ def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables,
     q_start = tl.load(query_start_loc + r)
     num_new = tl.load(query_start_loc + r + 1) - q_start
     seq_len = tl.load(seq_lens + r)
+    k_scale, v_scale = _kv_scales(Scales, FP8)
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_PAD)
@@ -189,9 +233,9 @@ def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables,
         v = tl.load(VCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
         visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
         visible = visible & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
-        s = tl.where(visible, _scores(q, k, USE_DOT) * scale, float("-inf"))
+        s = tl.where(visible, _scores(q, k, USE_DOT) * (scale * k_scale), float("-inf"))
         m, denom, acc = _online_softmax(s, v, m, denom, acc, USE_DOT)
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # padding rows have none
+    out = acc * v_scale / tl.where(denom > 0, denom, 1.0)[:, None]  # padding rows have none
     tl.store(Out + q_offs, out.to(Out.dtype.element_ty), mask=q_mask)
 
 
@@ -204,6 +248,7 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: Tensor | None = None,
 ) -> Tensor:
     """`torch_ref.paged_attention`'s contract, on Triton kernels (CUDA, or the interpreter)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -212,7 +257,9 @@ def paged_attention(
         raise ValueError(f"the Triton backend needs a power-of-two block size, got {block_size}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     row = num_kv_heads * head_dim
-    _write_kv[(num_tokens,)](k, v, k_cache, v_cache, md.slot_mapping, ROW=row, ROW_PAD=triton.next_power_of_2(row))
+    kv_scales, fp8 = unit_scales(kv_scales, q.device), is_fp8(k_cache)
+    _write_kv[(num_tokens,)](k, v, k_cache, v_cache, md.slot_mapping, kv_scales, ROW=row,
+                             ROW_PAD=triton.next_power_of_2(row), FP8=fp8)
 
     out = torch.empty_like(q)
     window = sliding_window or 0
@@ -230,10 +277,10 @@ def paged_attention(
                     for extra in ((), (), (head_pad,))] if parts > 1 else [out] * 3  # unread when unsplit
         _decode[(n, num_kv_heads, parts)](
             q, k_cache, v_cache, out, *partials, md.decode_token_indices, md.decode_block_tables,
-            md.decode_seq_lens, md.decode_block_tables.stride(0), scale, window, part_blocks,
+            md.decode_seq_lens, md.decode_block_tables.stride(0), scale, window, part_blocks, kv_scales,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(triton.next_power_of_2(group), 16), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size, USE_DOT=block_size >= 16, SPLIT=parts > 1,
+            BLOCK_SIZE=block_size, USE_DOT=block_size >= 16, SPLIT=parts > 1, FP8=fp8,
         )
         if parts > 1:
             _combine[(n, num_heads)](out, *partials, md.decode_token_indices, NUM_HEADS=num_heads, NUM_PARTS=parts,
@@ -242,7 +289,7 @@ def paged_attention(
         reqs = torch.tensor(md.prefill_req_indices, dtype=torch.int64, device=q.device)
         _prefill[(len(md.prefill_req_indices), num_heads, triton.cdiv(md.max_query_len, BLOCK_M))](
             q, k_cache, v_cache, out, reqs, md.query_start_loc, tables, md.seq_lens, tables.stride(0), scale,
-            window, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=block_size >= 16,
+            window, kv_scales, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=block_size >= 16, FP8=fp8,
         )
     return out

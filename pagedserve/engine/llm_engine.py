@@ -50,13 +50,16 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model, self.model_config = model or load_model(config.model, config.torch_dtype, config.device)
         self.tokenizer = tokenizer or load_tokenizer(config.model)
+        self.runner = ModelRunner(self.model, self.model_config, config)
+        model_max_len = self.model_config.max_position_embeddings
+        measured = self.runner.measure_kv_budget(config.max_model_len or model_max_len) \
+            if config.measures_kv_budget else None
         num_blocks, self.max_model_len = config.resolve_kv_pool(
-            self.model_config.kv_bytes_per_token(config.torch_dtype), self.model_config.max_position_embeddings
-        )
+            self.model_config.kv_bytes_per_token(config.kv_torch_dtype), model_max_len, measured)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_decode_graphs(self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
-                                  config.torch_dtype, config.device, config.attention_backend)
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -1,25 +1,93 @@
-"""The model runner: owns the KV tensors, turns a step's plan into flat tensors, runs the model."""
+"""The model runner: owns the KV tensors, turns a step's plan into flat tensors, runs the model.
+
+On CUDA it also sizes the KV pool from the GPU's free memory after a profiling forward pass
+(`measure_kv_budget`) and replays decode steps through CUDA graphs (`capture_decode_graphs`).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.attention.kv_quant import FP8_DTYPE, as_bytes
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import allocate_kv_cache
+from pagedserve.attention.torch_ref import KVCache, allocate_kv_cache
+from pagedserve.config import EngineConfig
+from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.kv import BlockCopy
 from pagedserve.models.config import ModelConfig
 
 
+def kv_budget_from_gpu_memory(total: int, free: int, peak_activation: int, utilization: float) -> int:
+    """Bytes the KV pool may take on a GPU of `total` bytes with `free` bytes free now (weights
+    loaded; whatever else runs on the GPU counts against us too) and a forward pass whose
+    temporaries peaked at `peak_activation` bytes, so that the engine stays within
+    `utilization` of the GPU in all."""
+    budget = int(total * utilization) - (total - free) - peak_activation
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} allows "
+            f"{total * utilization / 2**30:.2f} GiB, {(total - free) / 2**30:.2f} GiB are in use (weights, other "
+            f"processes) and a forward pass needs {peak_activation / 2**30:.2f} GiB more; raise "
+            "gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return budget
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str, attention_backend: str = "torch") -> None:
-        self.model = model
-        self.attention_backend = attention_backend
-        self.block_size = block_size
-        self.device = torch.device(device)
-        self.kv_caches = allocate_kv_cache(model_config.num_layers, num_blocks, block_size,
-                                           model_config.num_kv_heads, model_config.head_dim, dtype, device)
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig) -> None:
+        self.model, self.model_config, self.config = model, model_config, config
+        self.block_size = config.block_size
+        self.device = torch.device(config.device)
+        self.kv_caches: list[KVCache] = []
+        self.decode_graphs: DecodeGraphs | None = None
+        # fp8 with calculate_kv_scales: the first real step sets every layer's scales.
+        self.calibrate_kv_scales = config.calculate_kv_scales and config.kv_torch_dtype == FP8_DTYPE
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        c = self.model_config
+        self.kv_caches = allocate_kv_cache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+                                           self.config.kv_torch_dtype, self.device)
+
+    @torch.inference_mode()
+    def measure_kv_budget(self, max_model_len: int) -> int:
+        """CUDA: run the largest step the scheduler can plan (one prompt of max_num_batched_tokens,
+        capped by the context, and logits for max_num_seqs rows) on a throwaway cache, and return
+        the bytes the KV pool may take (`kv_budget_from_gpu_memory`)."""
+        num_tokens = min(self.config.max_num_batched_tokens, max_model_len)
+        self.allocate_kv_cache(-(-num_tokens // self.block_size))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        md = self._metadata([list(range(len(self.kv_caches[0].k)))], [0], [num_tokens])
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), md.positions,
+                            self.kv_caches, md)
+        self.model.compute_logits(hidden[: min(num_tokens, self.config.max_num_seqs)]).float()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del hidden, md
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return kv_budget_from_gpu_memory(total, free, peak, self.config.gpu_memory_utilization)
+
+    def capture_decode_graphs(self, max_model_len: int, capture: bool | None = None) -> None:
+        """Capture decode graphs when they apply: CUDA, the Triton backend, not enforce_eager.
+        capture=False builds the padded buffers and runs them eagerly (tests)."""
+        if capture is None:
+            capture = (self.device.type == "cuda" and self.config.attention_backend == "triton"
+                       and not self.config.enforce_eager)
+            if not capture:
+                return
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs), -(-max_model_len // self.block_size),
+            self.block_size, self.config.attention_backend, self.device, capture=capture)
+
+    def _metadata(self, block_tables, computed, num_new) -> AttentionMetadata:
+        md = AttentionMetadata.build(block_tables, computed, num_new, self.block_size, self.device)
+        md.backend = self.config.attention_backend
+        return md
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
@@ -30,9 +98,13 @@ class ModelRunner:
         input_ids: list[int] = []
         for request, start, n in zip(plan.requests, computed, plan.num_new_tokens):
             input_ids += request.all_token_ids[start : start + n]
-        md = AttentionMetadata.build(plan.block_tables, computed, plan.num_new_tokens, self.block_size, self.device)
-        md.backend = self.attention_backend
-        hidden = self.model(torch.tensor(input_ids, device=self.device), md.positions, self.kv_caches, md)
+        md = self._metadata(plan.block_tables, computed, plan.num_new_tokens)
+        ids = torch.tensor(input_ids, device=self.device)
+        if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):
+            hidden = self.decode_graphs.run(ids, md)
+        else:
+            md.calculate_kv_scales, self.calibrate_kv_scales = self.calibrate_kv_scales, False
+            hidden = self.model(ids, md.positions, self.kv_caches, md)
         if not sample_rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         rows = md.logits_indices[torch.tensor(sample_rows, device=self.device)]
@@ -44,6 +116,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        for cache in self.kv_caches:
+            for blocks in (cache.k, cache.v):
+                blocks = as_bytes(blocks)
+                blocks[dst] = blocks[src]

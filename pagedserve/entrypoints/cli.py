@@ -59,12 +59,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16"],
+                   help="KV cache element type: auto (the model's dtype) or fp8 (e4m3, per-tensor scales)")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV cache: set each layer's scales from the first forward pass (default 1.0)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of GPU memory for weights, activations and the KV cache")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     g.add_argument("--seed", type=int, default=0)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
-             "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "attention_backend", "seed"]
+             "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "attention_backend",
+             "kv_cache_dtype", "calculate_kv_scales", "gpu_memory_utilization", "enforce_eager", "seed"]
     return {name: getattr(args, name) for name in names}
 
 

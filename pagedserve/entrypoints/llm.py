@@ -20,28 +20,15 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        seed: int = 0,
-        _engine: LLMEngine | None = None,
-    ) -> None:
-        config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
-                              num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-                              attention_backend=attention_backend, seed=seed)
+    def __init__(self, model: str | None = None, *, _engine: LLMEngine | None = None, **engine_args: Any) -> None:
+        """model: an HF directory, a .gguf file, or None for the embedded default. engine_args: any
+        field of EngineConfig (dtype, device, block_size, kv_cache_dtype, gpu_memory_utilization,
+        enforce_eager, attention_backend, ...), as vLLM's LLM takes its engine arguments."""
+        fields = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(engine_args) - fields)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(fields - {'model'})}")
+        config = EngineConfig(model=model, **engine_args)
         self.llm_engine = _engine or LLMEngine(config)
 
     @classmethod

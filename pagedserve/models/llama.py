@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention import paged_attention
+from pagedserve.attention.kv_quant import calibrated_scale
 from pagedserve.attention.torch_ref import KVCache
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.layers import GatedMLP, Linear, OneDNNWeight, RMSNorm, RotaryEmbedding, apply_rotary, linear
@@ -40,7 +41,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], md, self.scale, self.sliding_window)
+        if md.calculate_kv_scales:
+            kv_cache.scales.copy_(torch.stack([calibrated_scale(k), calibrated_scale(v)]))
+        out = paged_attention(q, k, v, kv_cache.k, kv_cache.v, md, self.scale, self.sliding_window, kv_cache.scales)
         return self.o_proj(out.flatten(1))
 
 
@@ -91,7 +94,7 @@ class DecoderForCausalLM(nn.Module):
     def forward(
         self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata
     ) -> Tensor:
-        """input_ids, positions: [num_tokens]; kv_caches: one (K, V) per layer.
+        """input_ids, positions: [num_tokens]; kv_caches: one KVCache per layer.
         Returns the final hidden states [num_tokens, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # gathered once, shared by all layers

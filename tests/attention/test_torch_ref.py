@@ -55,7 +55,7 @@ def test_paged_matches_dense(batch):
     for n in needed:
         tables.append(perm[used:used + n])
         used += n
-    [(k_cache, v_cache)] = allocate_kv_cache(1, num_blocks, block_size, kv_heads, dim, torch.float32, "cpu")
+    [(k_cache, v_cache, _)] = allocate_kv_cache(1, num_blocks, block_size, kv_heads, dim, torch.float32, "cpu")
 
     # Full-context K/V per request; the cached part is written straight into its blocks.
     ks = [torch.randn(s, kv_heads, dim, generator=gen) for s in seq_lens]
@@ -114,10 +114,12 @@ def test_metadata_rejects_inconsistent_steps(tables, computed, new, match):
 def test_allocate_and_budget():
     caches = allocate_kv_cache(3, 10, 16, 2, 8, torch.float32, "cpu")
     assert len(caches) == 3
-    for k, v in caches:
+    for k, v, scales in caches:
         assert k.shape == v.shape == (10, 16, 2, 8) and k.data_ptr() != v.data_ptr()
         assert not k.any() and not v.any()
+        assert scales.tolist() == [1.0, 1.0]
     per_block = 2 * 3 * 16 * 2 * 8 * 4
     assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.float32) == 10
     assert num_blocks_for_bytes(10 * per_block - 1, 3, 16, 2, 8, torch.float32) == 9
     assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.bfloat16) == 20
+    assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.float8_e4m3fn) == 40

@@ -57,7 +57,8 @@ def test_padded_slots_are_not_written():
     q, k, v, k_cache, v_cache, md = mixed_step(16, 1, 1, 64)
     before = k_cache.clone()
     md.slot_mapping[:] = -1
-    triton_paged._write_kv[(q.shape[0],)](k, v, k_cache, v_cache, md.slot_mapping, ROW=64, ROW_PAD=64)
+    triton_paged._write_kv[(q.shape[0],)](k, v, k_cache, v_cache, md.slot_mapping, torch.ones(2), ROW=64, ROW_PAD=64,
+                                          FP8=False)
     assert torch.equal(k_cache, before)
 
 

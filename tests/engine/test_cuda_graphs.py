@@ -1,0 +1,62 @@
+"""The decode-graph path (engine/cuda_graphs.py) without a GPU: the static buffers, the padding and
+the Triton kernels it relies on run eagerly (capture=False) under Triton's interpreter; capture
+itself needs CUDA (scripts/gpu_check.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.torch_ref import KVCache, allocate_kv_cache
+from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedserve.models.loader import load_model
+
+
+def test_capture_sizes_cover_max_num_seqs():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 8]
+    assert capture_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert capture_sizes(300)[-2:] == [288, 320]
+    assert capture_sizes(5000)[-1] == 5000  # beyond the list: one graph of exactly max_num_seqs
+
+
+def triton_md(tables, computed, new, block_size):
+    md = AttentionMetadata.build(tables, computed, new, block_size)
+    md.backend = "triton"
+    return md
+
+
+def test_padded_decode_changes_no_real_row(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3")  # GQA, q/k norm, a sliding-window layer
+    model, config = load_model(str(path))
+    with torch.inference_mode():
+        check_padded_decode(model, config)
+
+
+def check_padded_decode(model, config):
+    block_size, lens = 8, [5, 11, 17, 3, 9]
+    caches = allocate_kv_cache(config.num_layers, 40, block_size, config.num_kv_heads, config.head_dim, torch.float32)
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [perm[4 * i: 4 * i + 4] for i in range(len(lens))]
+    gen = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(config.vocab_size, (sum(lens),), generator=gen)
+    md = triton_md(tables, [0] * len(lens), lens, block_size)
+    model(prompt_ids, md.positions, caches, md)
+
+    decode = triton_md(tables, lens, [1] * len(lens), block_size)
+    ids = torch.randint(config.vocab_size, (len(lens),), generator=gen)
+    ref_caches = [KVCache(c.k.clone(), c.v.clone(), c.scales) for c in caches]
+    expected = model(ids, decode.positions, ref_caches, decode)
+
+    graphs = DecodeGraphs(model, caches, [1, 2, 4, 8], max_blocks=6, block_size=block_size, backend="triton",
+                          device=torch.device("cpu"), capture=False)
+    # Stale buffers, as a larger earlier step leaves them.
+    graphs.block_tables.random_(0, 40, generator=gen)
+    graphs.positions.fill_(7)
+    graphs.slot_mapping.fill_(3)
+    graphs.seq_lens.fill_(30)
+    assert graphs.can_run(decode) and not graphs.can_run(md)
+    got = graphs.run(ids, decode)  # 5 decodes run as 8: three padded rows
+    assert got.shape == expected.shape and (got - expected).abs().max().item() < 1e-5
+    for cache, ref in zip(caches, ref_caches):  # the padded rows wrote no slot
+        assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
