@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention import torch_ref, triton_paged
+from pagedserve.attention.kv_quant import quantize
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -75,7 +76,14 @@ def main() -> None:
         ref = torch_ref.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), md, dim**-0.5)
         print(f"correctness heads {heads}/{kv_heads} dim {dim} {dtype}: max abs err {(out.float() - ref).abs().max():.2e}")
 
-        print("batch | context | triton ms | GB/s | torch_ref ms | SDPA contiguous ms")
+        fp8_ok = dtype == torch.bfloat16 and triton_paged.fp8_supported(device) is None
+        if fp8_ok:  # the same step on an fp8 cache, against the oracle reading that cache
+            scales = torch.tensor([0.05, 0.05], device=device)
+            kc8, vc8 = quantize(kc, scales[0]), quantize(vc, scales[1])
+            out = triton_paged.paged_attention(q, k, v, kc8, vc8, md, dim**-0.5, None, scales)
+            ref = torch_ref.paged_attention(q.float(), k.float(), v.float(), kc8, vc8, md, dim**-0.5, None, scales)
+            print(f"  fp8 cache: max abs err {(out.float() - ref).abs().max():.2e}")
+        print("batch | context | triton ms | GB/s | torch_ref ms | SDPA contiguous ms" + (" | triton fp8 ms" if fp8_ok else ""))
         for batch in batches:
             for context in contexts:
                 if batch * context * kv_heads * dim * 2 * dtype.itemsize > 20e9:
@@ -90,8 +98,14 @@ def main() -> None:
                 t_sdpa = timeit(lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, enable_gqa=True),
                                 device, reps)
                 kv_bytes = 2 * batch * context * kv_heads * dim * dtype.itemsize
-                print(f"{batch} | {context} | {t_triton * 1e3:.3f} | {kv_bytes / t_triton / 1e9:.0f} | "
-                      f"{t_ref * 1e3:.3f} | {t_sdpa * 1e3:.3f}")
+                line = (f"{batch} | {context} | {t_triton * 1e3:.3f} | {kv_bytes / t_triton / 1e9:.0f} | "
+                        f"{t_ref * 1e3:.3f} | {t_sdpa * 1e3:.3f}")
+                if fp8_ok:
+                    kc8, vc8 = quantize(kc, scales[0]), quantize(vc, scales[1])
+                    t_fp8 = timeit(lambda: triton_paged.paged_attention(q, k, v, kc8, vc8, md, dim**-0.5, None, scales),
+                                   device, reps)
+                    line += f" | {t_fp8 * 1e3:.3f}"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -111,8 +111,10 @@ def run_hf_static(workload: Workload, reps: int, hf_model, batch_size: int) -> S
             mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
             steps = max(r.output_len for r in batch)
             with torch.inference_mode():
-                hf_model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                                  **_hf_generation_kwargs(batch[0].n))
+                hf_model.generate(ids.to(hf_model.device), attention_mask=mask.to(hf_model.device), max_new_tokens=steps,
+                                  min_new_tokens=steps, **_hf_generation_kwargs(batch[0].n))
+        if hf_model.device.type == "cuda":
+            torch.cuda.synchronize()
 
     # transformers needs no long warm-up: a few requests load its kernels, and save minutes.
     return SystemResult(f"hf-static (batch {batch_size})", timed(run, reps, lambda: run(reqs[:2])), workload.num_prompt_tokens,
@@ -208,7 +210,8 @@ def plot(results: list[SystemResult], title: str, path: str) -> None:
 def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, hf_batch_sizes=(8, 32, 64),
                          vllm_python: str | None = None, llamacpp_python: str | None = None,
                          hf_model_dir: str | None = None, engine_kwargs: dict | None = None,
-                         log=print) -> list[SystemResult]:
+                         device: str = "cpu", dtype: str = "float32", log=print) -> list[SystemResult]:
+    """pagedserve and transformers run on `device` in `dtype`; vLLM and llama.cpp (CPU builds) on the CPU."""
     from pagedserve.models.loader import embedded_model_path, load_model, load_tokenizer
 
     unknown = set(systems) - set(SYSTEMS)
@@ -217,16 +220,18 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
 
     @functools.cache  # loaded once, by the first run that needs it
     def ours():
-        return load_model(), load_tokenizer()
+        return load_model(None, getattr(torch, dtype), device), load_tokenizer()
 
     @functools.cache
     def hf_model():
-        return load_hf_reference()
+        return load_hf_reference(getattr(torch, dtype), device)
+
+    engine_kwargs = {"device": device, "dtype": dtype} | (engine_kwargs or {})
 
     runs = []  # (label, thunk returning a SystemResult): one per row of the table
     for system in systems:
         if system == "pagedserve":
-            runs.append(("pagedserve", lambda: run_pagedserve(workload, reps, *ours(), **(engine_kwargs or {}))))
+            runs.append(("pagedserve", lambda: run_pagedserve(workload, reps, *ours(), **engine_kwargs)))
         elif system == "hf-static":
             runs += [(f"hf-static (batch {b})", lambda b=b: run_hf_static(workload, reps, hf_model(), b))
                      for b in hf_batch_sizes]
@@ -256,8 +261,8 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
     return results
 
 
-def load_hf_reference():
-    """transformers' own load of the embedded GGUF, float32, sdpa attention."""
+def load_hf_reference(dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """transformers' own load of the embedded GGUF, sdpa attention."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
@@ -265,7 +270,7 @@ def load_hf_reference():
     from pagedserve.models.loader import embedded_model_path
 
     path = Path(embedded_model_path())
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
 
 
 if __name__ == "__main__":

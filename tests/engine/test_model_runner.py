@@ -54,3 +54,33 @@ def test_fp8_cache_quarters_kv_memory_and_stays_close(embedded_model, embedded_t
     else:
         assert (scales == 1).all()
     assert_all_free(fp8)
+
+
+def test_profiling_pass_runs_the_largest_step_and_frees_its_cache(tiny_checkpoint, monkeypatch):
+    """measure_kv_budget's flow on the CPU, with torch.cuda's memory counters replaced by a fake
+    GPU: 40 GiB total, 4 GiB in use; the forward's temporaries peak 1 GiB above the start. The
+    arithmetic is the function tested above; what this checks is the pass itself."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.model_runner import ModelRunner
+    from pagedserve.models.loader import load_model
+
+    path, _ = tiny_checkpoint("llama")
+    model, model_config = load_model(str(path))
+    fake = {"allocated": 3 * GiB}
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: fake["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: fake["allocated"] + GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (36 * GiB, 40 * GiB))
+    steps = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, pos, caches, md: steps.append((len(ids), len(caches[0].k))) or
+                        forward(ids, pos, caches, md))
+
+    config = EngineConfig(device="cpu", max_num_batched_tokens=100, max_num_seqs=8, gpu_memory_utilization=0.5)
+    runner = ModelRunner(model, model_config, config)
+    budget = runner.measure_kv_budget(max_model_len=256)
+    assert steps == [(100, 7)]  # one prompt of max_num_batched_tokens, on ceil(100 / 16) blocks
+    assert runner.kv_caches == []  # the throwaway cache is gone before the pool is sized
+    assert budget == kv_budget_from_gpu_memory(40 * GiB, 36 * GiB, GiB, 0.5) == 20 * GiB - 4 * GiB - GiB
+    assert runner.measure_kv_budget(max_model_len=64) and steps[-1] == (64, 4)  # capped by the context
