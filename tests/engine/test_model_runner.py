@@ -84,3 +84,19 @@ def test_profiling_pass_runs_the_largest_step_and_frees_its_cache(tiny_checkpoin
     assert runner.kv_caches == []  # the throwaway cache is gone before the pool is sized
     assert budget == kv_budget_from_gpu_memory(40 * GiB, 36 * GiB, GiB, 0.5) == 20 * GiB - 4 * GiB - GiB
     assert runner.measure_kv_budget(max_model_len=64) and steps[-1] == (64, 4)  # capped by the context
+
+
+def test_copy_on_write_copies_fp8_blocks_byte_for_byte(embedded_model):
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(*embedded_model, EngineConfig(device="cpu", kv_cache_dtype="fp8"))
+    runner.allocate_kv_cache(8)
+    for cache in runner.kv_caches:
+        cache.k.view(torch.uint8).random_(0, 256)
+        cache.v.view(torch.uint8).random_(0, 256)
+    runner.copy_blocks([(1, 5), (2, 6)])
+    for cache in runner.kv_caches:
+        for blocks in (cache.k.view(torch.uint8), cache.v.view(torch.uint8)):
+            assert torch.equal(blocks[5], blocks[1]) and torch.equal(blocks[6], blocks[2])
+            assert not torch.equal(blocks[5], blocks[2])

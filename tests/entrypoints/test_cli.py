@@ -1,0 +1,32 @@
+"""The command line's engine flags reach EngineConfig, every field of it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pagedserve.config import EngineConfig
+from pagedserve.entrypoints.cli import build_parser, engine_kwargs
+from pagedserve.entrypoints.llm import LLM
+
+
+def test_every_engine_field_has_a_flag():
+    args = build_parser().parse_args(["serve"])
+    assert set(engine_kwargs(args)) == {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def test_engine_flags_build_the_config():
+    args = build_parser().parse_args([
+        "generate", "hi", "--kv-cache-dtype", "fp8", "--calculate-kv-scales", "--gpu-memory-utilization", "0.5",
+        "--enforce-eager", "--attention-backend", "torch", "--device", "cpu"])
+    config = EngineConfig(**engine_kwargs(args))
+    assert (config.kv_cache_dtype, config.calculate_kv_scales, config.gpu_memory_utilization, config.enforce_eager) \
+        == ("fp8", True, 0.5, True)
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        EngineConfig(**(engine_kwargs(args) | {"gpu_memory_utilization": 1.5}))
+
+
+def test_llm_rejects_an_unknown_engine_argument_before_loading():
+    with pytest.raises(TypeError, match=r"unknown engine arguments \['kv_cache_type'\]"):
+        LLM(kv_cache_type="fp8")
