@@ -9,10 +9,10 @@ through the block tables, never through a gathered copy:
 - `_prefill`: one program per (multi-token request, query head, tile of BLOCK_M new tokens); the
   tile attends to the cached prefix through the block table and causally to itself, so prompts,
   chunks and prompts behind a prefix-cache hit run alike, any number per flat batch.
-Accumulation is in float32 whatever the cache dtype (float32, bfloat16, float16, fp8 e4m3);
-products of float32 inputs use full IEEE precision (no TF32). An fp8 cache (`kv_quant`) is written
-as x / scale, rounded to nearest even as torch rounds, and read with its per-tensor scales folded
-into the scores (K) and the output (V), not into every element.
+Products run in the model's dtype (an fp8 cache is widened to it, exactly) and accumulate in
+float32: float32 in full IEEE precision (no TF32), bfloat16/float16 on tensor cores. An fp8 cache
+(`kv_quant`) is written as x / scale, rounded to nearest even as torch rounds, and read with its
+per-tensor scales folded into the scores (K) and the output (V), not into every element.
 
 Tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors). The interpreter
 checks neither tl.dot's minimum of 16 per dimension nor out-of-bounds loads, so every tile load
@@ -100,29 +100,35 @@ def _kv_scales(Scales, FP8: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, USE_DOT: tl.constexpr):
-    """q [M, D] . k [N, D] -> [M, N] in float32."""
+def _scores(q, k, USE_DOT: tl.constexpr, F32: tl.constexpr):
+    """q [M, D] . k [N, D] -> [M, N] in float32. F32: products in float32, full IEEE precision;
+    else in q and k's 16-bit dtype on tensor cores, accumulated in float32."""
     if USE_DOT:
-        return tl.dot(q, tl.trans(k), input_precision="ieee")
-    return tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        if F32:
+            return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        return tl.dot(q, tl.trans(k))
+    return tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
-def _weighted(p, v, USE_DOT: tl.constexpr):
-    """p [M, N] . v [N, D] -> [M, D] in float32."""
+def _weighted(p, v, USE_DOT: tl.constexpr, F32: tl.constexpr):
+    """p [M, N] (float32) . v [N, D] -> [M, D] in float32; 16-bit v: p rounded to v's dtype for
+    the tensor cores, as flash attention does."""
     if USE_DOT:
-        return tl.dot(p, v, input_precision="ieee")
-    return tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if F32:
+            return tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        return tl.dot(p.to(v.dtype), v)
+    return tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
 
 @triton.jit
-def _online_softmax(s, v, m, denom, acc, USE_DOT: tl.constexpr):
+def _online_softmax(s, v, m, denom, acc, USE_DOT: tl.constexpr, F32: tl.constexpr):
     """Fold one block of scores s [M, N] (hidden keys at -inf) and values v [N, D] into the running
     maximum m [M], softmax denominator [M] and unnormalised output acc [M, D]."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m - m_new)
-    return m_new, denom * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _weighted(p, v, USE_DOT)
+    return m_new, denom * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _weighted(p, v, USE_DOT, F32)
 
 
 @triton.jit
@@ -130,7 +136,7 @@ def _decode(Q, KCache, VCache, Out, PartMax, PartDenom, PartAcc, token_indices, 
             table_stride, scale, window, part_blocks, Scales,
             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
             HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_DOT: tl.constexpr,
-            SPLIT: tl.constexpr, FP8: tl.constexpr):
+            SPLIT: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr):
     """Program (r, kv_head, part) attends over blocks part * part_blocks .. + part_blocks of decode
     r. Unsplit (one part), it writes the output; split, it writes its running maximum, softmax
     denominator and unnormalised output for `_combine`."""
@@ -147,7 +153,7 @@ def _decode(Q, KCache, VCache, Out, PartMax, PartDenom, PartAcc, token_indices, 
     t = tl.arange(0, BLOCK_SIZE)
     q_rows = token * NUM_HEADS + kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(Q + q_rows[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q = tl.load(Q + q_rows[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
 
     # Finite start for the running maximum: a block whose keys are all hidden adds exp(-inf) = 0.
     m = tl.full([GROUP_PAD], -1e30, tl.float32)
@@ -160,10 +166,10 @@ def _decode(Q, KCache, VCache, Out, PartMax, PartDenom, PartAcc, token_indices, 
         visible = (pos < seq_len) & (pos >= first)
         offs = ((block * BLOCK_SIZE + t) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = visible[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(KCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(VCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.where(visible[None, :], _scores(q, k, USE_DOT) * (scale * k_scale), float("-inf"))
-        m, denom, acc = _online_softmax(s, v, m, denom, acc, USE_DOT)
+        k = tl.load(KCache + offs, mask=kv_mask, other=0.0).to(Q.dtype.element_ty)  # fp8: exact in 16 bits
+        v = tl.load(VCache + offs, mask=kv_mask, other=0.0).to(Q.dtype.element_ty)
+        s = tl.where(visible[None, :], _scores(q, k, USE_DOT, F32) * (scale * k_scale), float("-inf"))
+        m, denom, acc = _online_softmax(s, v, m, denom, acc, USE_DOT, F32)
     acc = acc * v_scale
     if SPLIT:
         num_parts = tl.num_programs(2)
@@ -198,7 +204,7 @@ def _combine(Out, PartMax, PartDenom, PartAcc, token_indices, NUM_HEADS: tl.cons
 def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables, seq_lens, table_stride, scale,
              window, Scales, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
              HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
-             FP8: tl.constexpr):
+             FP8: tl.constexpr, F32: tl.constexpr):
     r = tl.load(req_indices + tl.program_id(0))
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -215,7 +221,7 @@ def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables,
     q_pos = seq_len - num_new + rows  # context position of each new token
     q_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     q_offs = ((q_start + rows) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :]
-    q = tl.load(Q + q_offs, mask=q_mask, other=0.0).to(tl.float32)
+    q = tl.load(Q + q_offs, mask=q_mask, other=0.0)
 
     # Keys this tile can see: up to its last row's position, from its first row's window start.
     last = tl.minimum(seq_len - num_new + (tile + 1) * BLOCK_M, seq_len)
@@ -229,12 +235,12 @@ def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables,
         in_context = pos < last
         offs = ((block * BLOCK_SIZE + t) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = in_context[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(KCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(VCache + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(KCache + offs, mask=kv_mask, other=0.0).to(Q.dtype.element_ty)
+        v = tl.load(VCache + offs, mask=kv_mask, other=0.0).to(Q.dtype.element_ty)
         visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
         visible = visible & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
-        s = tl.where(visible, _scores(q, k, USE_DOT) * (scale * k_scale), float("-inf"))
-        m, denom, acc = _online_softmax(s, v, m, denom, acc, USE_DOT)
+        s = tl.where(visible, _scores(q, k, USE_DOT, F32) * (scale * k_scale), float("-inf"))
+        m, denom, acc = _online_softmax(s, v, m, denom, acc, USE_DOT, F32)
     out = acc * v_scale / tl.where(denom > 0, denom, 1.0)[:, None]  # padding rows have none
     tl.store(Out + q_offs, out.to(Out.dtype.element_ty), mask=q_mask)
 
@@ -258,6 +264,9 @@ def paged_attention(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     row = num_kv_heads * head_dim
     kv_scales, fp8 = unit_scales(kv_scales, q.device), is_fp8(k_cache)
+    # Products in float32 for float32 models, and for bfloat16 under the interpreter, whose bfloat16
+    # tl.dot is wrong (Triton 3.9: a 16x16 product off by 2e10).
+    f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
     _write_kv[(num_tokens,)](k, v, k_cache, v_cache, md.slot_mapping, kv_scales, ROW=row,
                              ROW_PAD=triton.next_power_of_2(row), FP8=fp8)
 
@@ -280,7 +289,7 @@ def paged_attention(
             md.decode_seq_lens, md.decode_block_tables.stride(0), scale, window, part_blocks, kv_scales,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(triton.next_power_of_2(group), 16), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size, USE_DOT=block_size >= 16, SPLIT=parts > 1, FP8=fp8,
+            BLOCK_SIZE=block_size, USE_DOT=block_size >= 16, SPLIT=parts > 1, FP8=fp8, F32=f32,
         )
         if parts > 1:
             _combine[(n, num_heads)](out, *partials, md.decode_token_indices, NUM_HEADS=num_heads, NUM_PARTS=parts,
@@ -290,6 +299,6 @@ def paged_attention(
         _prefill[(len(md.prefill_req_indices), num_heads, triton.cdiv(md.max_query_len, BLOCK_M))](
             q, k_cache, v_cache, out, reqs, md.query_start_loc, tables, md.seq_lens, tables.stride(0), scale,
             window, kv_scales, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=block_size >= 16, FP8=fp8,
+            HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=block_size >= 16, FP8=fp8, F32=f32,
         )
     return out
