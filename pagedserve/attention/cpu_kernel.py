@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pagedserve.attention.kv_quant import FP8_DTYPE
+
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # gnu11 for the vector extensions; fp-contract lets a * b + c become one fused multiply-add.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
@@ -90,15 +92,17 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = lib.paged_decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int]
+    fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                                           ctypes.c_float]
     fn.restype = ctypes.c_int
     return lib
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether the kernel can run this attention: float32 tensors in CPU memory, and a head size
-    that is a whole number of the kernel's vectors (64, 80, 96, 128, 256... not 72)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    """Whether the kernel can run this attention: float32 queries and a float32 or fp8 cache in CPU
+    memory, and a head size that is a whole number of the kernel's vectors (64, 80, 96, 128,
+    256... not 72)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, FP8_DTYPE)
             and k_cache.shape[-1] % VECTOR_WIDTH == 0)
 
 
@@ -112,24 +116,28 @@ def decode_attention(
     seq_lens: Tensor,
     scale: float,
     sliding_window: int | None,
+    kv_scales: Tensor | None = None,
 ) -> None:
     """Write into out[token_indices] the attention of q[token_indices] (one token per request)
     over each request's first seq_lens[r] cached positions, read through block_tables[r].
 
     q, out: [num_tokens, num_heads, head_dim] contiguous float32; k_cache, v_cache:
-    [num_blocks, block_size, num_kv_heads, head_dim]; token_indices, seq_lens: [n] int64;
-    block_tables: [n, >= max blocks] int64. Requires `load()` to have returned a library.
+    [num_blocks, block_size, num_kv_heads, head_dim], float32 or fp8 (read times kv_scales[0] and
+    kv_scales[1]); token_indices, seq_lens: [n] int64; block_tables: [n, >= max blocks] int64.
+    Requires `load()` to have returned a library.
     """
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     n, num_heads = token_indices.shape[0], q.shape[1]
     for t in (q, out, k_cache, v_cache, token_indices, block_tables, seq_lens):
         assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
+    fp8 = k_cache.dtype == FP8_DTYPE
+    k_scale, v_scale = kv_scales.tolist() if fp8 and kv_scales is not None else (1.0, 1.0)
     status = lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         token_indices.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         n, block_tables.shape[1], block_size, num_heads, num_kv_heads, head_dim,
-        scale, sliding_window or 0, torch.get_num_threads(),
+        scale, sliding_window or 0, torch.get_num_threads(), fp8, k_scale, v_scale,
     )
     if status != 0:
         raise MemoryError("the CPU decode kernel could not allocate its scratch space")

@@ -2,8 +2,8 @@
 
 Same contract and results as `torch_ref.paged_attention` (the oracle it is tested against), with
 fewer and cheaper ops per layer:
-- on CPU in float32, one-token requests (decodes) run in the C kernel of `cpu_kernel`, which reads
-  K/V in place through the block tables;
+- on CPU in float32 (cache float32 or fp8), one-token requests (decodes) run in the C kernel of
+  `cpu_kernel`, which reads K/V in place through the block tables;
 - elsewhere (another dtype or device, no C compiler) decodes run through torch's fused
   scaled_dot_product_attention in a few groups of similar context length
   (`AttentionMetadata.decode_groups`): little padding, and each group's K/V, gathered a whole
@@ -47,7 +47,7 @@ def paged_attention(
 
     if md.num_decodes and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
         cpu_kernel.decode_attention(q.contiguous(), k_cache, v_cache, out, md.decode_token_indices,
-                                    md.decode_block_tables, md.decode_seq_lens, scale, sliding_window)
+                                    md.decode_block_tables, md.decode_seq_lens, scale, sliding_window, kv_scales)
     elif md.num_decodes:
         _decode_in_groups(q, k_blocks, v_blocks, kv_scales, out, md, num_kv_heads, scale, sliding_window)
 

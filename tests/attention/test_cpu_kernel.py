@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedserve.attention import cpu_kernel, torch_ref
+from pagedserve.attention.kv_quant import FP8_DTYPE, dequantize, quantize
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -51,6 +52,21 @@ def test_long_contexts_match_the_oracle(window, kv_heads, heads, dim):
     k = k_cache.view(-1, kv_heads, dim)[slots].clone()
     v = v_cache.view(-1, kv_heads, dim)[slots].clone()
     expected = torch_ref.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), md, dim**-0.5, window)
+    assert (out - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kv_heads, heads, dim", [(3, 9, 64), (1, 8, 128), (4, 4, 80)])
+def test_fp8_cache_matches_the_oracle(kv_heads, heads, dim):
+    q, k_cache, v_cache, md = decode_case([1, 17, 700, 2500, 33], 16, kv_heads, heads, dim, seed=2)
+    scales = torch.tensor([0.03, 0.02])
+    k8, v8 = quantize(k_cache * 5, scales[0]), quantize(v_cache, scales[1])  # subnormal to saturated e4m3 values
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.decode_attention(q, k8, v8, out, md.decode_token_indices, md.decode_block_tables,
+                                md.decode_seq_lens, dim**-0.5, 100, scales)
+    slots = md.slot_mapping
+    k = dequantize(k8.view(torch.uint8).view(-1, kv_heads, dim)[slots].view(FP8_DTYPE), torch.float32, scales[0])
+    v = dequantize(v8.view(torch.uint8).view(-1, kv_heads, dim)[slots].view(FP8_DTYPE), torch.float32, scales[1])
+    expected = torch_ref.paged_attention(q, k, v, k8.clone(), v8.clone(), md, dim**-0.5, 100, scales)
     assert (out - expected).abs().max().item() < 1e-5
 
 

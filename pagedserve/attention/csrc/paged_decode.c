@@ -1,4 +1,4 @@
-/* Decode attention over a paged KV cache, for CPUs, in float32.
+/* Decode attention over a paged KV cache, for CPUs, in float32, over a float32 or an fp8 cache.
  *
  * Each request brings one query token and reads its K/V in place through its block table: no
  * gathered copy of the context is ever made, so every K/V row crosses the memory bus once per
@@ -15,6 +15,8 @@
  * Query head h reads KV head h / (num_heads / num_kv_heads). Request r, at position
  * p = seq_lens[r] - 1, sees key positions j with p - window < j <= p (window <= 0: every j <= p).
  * Scores are (q . k) * scale and the softmax runs in float32, as in transformers' eager attention.
+ * An fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened through a
+ * 256-entry table as it is read; its K scale multiplies the scores, its V scale the output.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,8 +24,8 @@
 #include <string.h>
 
 struct paged_kv {
-    const float *k_cache, *v_cache;
-    int64_t block_size, token_stride; /* token_stride: floats between consecutive slots */
+    const void *k_cache, *v_cache;
+    int64_t block_size, token_stride; /* token_stride: elements between consecutive slots */
 };
 
 /* 16 floats: one AVX-512 register, two AVX2 ones; the compiler picks what the machine has.
@@ -40,6 +42,32 @@ static inline vec load(const float *p)
 }
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* e4m3 (the "fn" variant: no infinities) -> float, for every byte. */
+static float fp8_values[256];
+
+__attribute__((constructor)) static void build_fp8_values(void)
+{
+    for (int b = 0; b < 256; b++) {
+        const int exponent = (b >> 3) & 15, mantissa = b & 7;
+        float x = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf(1.0f + mantissa / 8.0f, exponent - 7);
+        if (exponent == 15 && mantissa == 7)
+            x = NAN;
+        fp8_values[b] = b & 128 ? -x : x;
+    }
+}
+
+/* VL elements of a cache row from element `offset`: float32, or fp8 widened. */
+static inline vec load_row(const void *cache, int64_t offset, const int fp8)
+{
+    if (!fp8)
+        return load((const float *)cache + offset);
+    const uint8_t *p = (const uint8_t *)cache + offset;
+    vec v;
+    for (int i = 0; i < VL; i++)
+        v[i] = fp8_values[p[i]];
+    return v;
+}
 
 /* Sum of the lanes, as a tree (a running scalar sum would be a chain of 16 dependent adds). */
 static inline float hsum(vec v)
@@ -72,24 +100,26 @@ static inline float exp_nonpositive(float x)
     return x < -87.3f ? 0.0f : p * two_n;
 }
 
-/* Ask for a block's rows (n contiguous floats) to be brought into cache. */
-static inline void prefetch_block(const float *p, int64_t n)
+/* Ask for a block's rows (n contiguous bytes) to be brought into cache. */
+static inline void prefetch_block(const void *p, int64_t n)
 {
-    for (int64_t i = 0; i < n; i += 64 / sizeof(float))
-        __builtin_prefetch(p + i);
+    for (int64_t i = 0; i < n; i += 64)
+        __builtin_prefetch((const char *)p + i);
 }
 
 /* Attention of one request's query heads qh [num_heads, head_dim] over its keys first..len-1,
  * into oh. Query head h reads KV head h / group. Each block's K and V rows (all KV heads,
  * contiguous) are read once, in order, and reused from L1 by the heads that share them.
  * scores: scratch of num_heads * max_len floats; acc: num_heads * head_dim.
- * Always inlined, so a constant head_dim gives fully unrolled vector loops. */
+ * Always inlined, so a constant head_dim gives fully unrolled vector loops and a constant fp8
+ * (element size 1, else 4) a loop for that cache alone. */
 static inline __attribute__((always_inline)) void attend_request(
     const struct paged_kv *kv, const int64_t *table, int64_t first, int64_t len, const float *qh, float *oh,
-    int64_t num_heads, int64_t group, const int64_t head_dim, float scale, float *scores, int64_t max_len,
-    float *acc)
+    int64_t num_heads, int64_t group, const int64_t head_dim, float scale, float v_scale, float *scores,
+    int64_t max_len, float *acc, const int fp8)
 {
     const int64_t bs = kv->block_size, stride = kv->token_stride, nv = head_dim / VL;
+    const int64_t block_elems = bs * stride, block_bytes = block_elems * (fp8 ? 1 : 4);
     const int64_t first_block = first / bs, end_block = (len + bs - 1) / bs;
     float maxima[num_heads], sums[num_heads];
     for (int64_t h = 0; h < num_heads; h++)
@@ -98,19 +128,19 @@ static inline __attribute__((always_inline)) void attend_request(
     /* Scores, block by block, and each query head's maximum. */
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
-        const float *kb = kv->k_cache + table[b] * bs * stride;
+        const int64_t kb = table[b] * block_elems; /* element offset of the block */
         if (b + 1 < end_block) /* blocks sit anywhere in the pool, out of the prefetcher's sight */
-            prefetch_block(kv->k_cache + table[b + 1] * bs * stride, bs * stride);
+            prefetch_block((const char *)kv->k_cache + table[b + 1] * block_bytes, block_bytes);
         for (int64_t h = 0; h < num_heads; h++) {
             vec q[nv];
             for (int64_t i = 0; i < nv; i++)
                 q[i] = load(qh + h * head_dim + i * VL);
-            const float *kh = kb + (h / group) * head_dim;
+            const int64_t kh = kb + (h / group) * head_dim;
             float *sh = scores + h * max_len + b * bs, m = maxima[h];
             for (int64_t t = t0; t < t1; t++) {
-                vec prod = q[0] * load(kh + t * stride);
+                vec prod = q[0] * load_row(kv->k_cache, kh + t * stride, fp8);
                 for (int64_t i = 1; i < nv; i++)
-                    prod += q[i] * load(kh + t * stride + i * VL);
+                    prod += q[i] * load_row(kv->k_cache, kh + t * stride + i * VL, fp8);
                 sh[t] = hsum(prod) * scale;
                 m = sh[t] > m ? sh[t] : m;
             }
@@ -134,34 +164,36 @@ static inline __attribute__((always_inline)) void attend_request(
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
-        const float *vb = kv->v_cache + table[b] * bs * stride;
+        const int64_t vb = table[b] * block_elems;
         if (b + 1 < end_block)
-            prefetch_block(kv->v_cache + table[b + 1] * bs * stride, bs * stride);
+            prefetch_block((const char *)kv->v_cache + table[b + 1] * block_bytes, block_bytes);
         for (int64_t h = 0; h < num_heads; h++) {
             vec a[nv];
             for (int64_t i = 0; i < nv; i++)
                 a[i] = load(acc + h * head_dim + i * VL);
-            const float *vh = vb + (h / group) * head_dim, *ph = scores + h * max_len + b * bs;
+            const int64_t vh = vb + (h / group) * head_dim;
+            const float *ph = scores + h * max_len + b * bs;
             for (int64_t t = t0; t < t1; t++)
                 for (int64_t i = 0; i < nv; i++)
-                    a[i] += ph[t] * load(vh + t * stride + i * VL);
+                    a[i] += ph[t] * load_row(kv->v_cache, vh + t * stride + i * VL, fp8);
             for (int64_t i = 0; i < nv; i++)
                 store(acc + h * head_dim + i * VL, a[i]);
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        const float inv = 1.0f / sums[h];
+        const float inv = v_scale / sums[h];
         for (int64_t d = 0; d < head_dim; d++)
             oh[h * head_dim + d] = acc[h * head_dim + d] * inv;
     }
 }
 
+/* fp8: the caches hold e4m3 bytes, to be multiplied by k_scale and v_scale (else float32, scales 1). */
 int paged_decode_attention(
-    const float *q, const float *k_cache, const float *v_cache, float *out,
+    const float *q, const void *k_cache, const void *v_cache, float *out,
     const int64_t *token_indices, const int64_t *block_tables, const int64_t *seq_lens,
     int64_t n, int64_t table_stride, int64_t block_size,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, int num_threads)
+    float scale, int64_t window, int num_threads, int fp8, float k_scale, float v_scale)
 {
     const struct paged_kv kv = {k_cache, v_cache, block_size, num_kv_heads * head_dim};
     const int64_t group = num_heads / num_kv_heads;
@@ -185,14 +217,17 @@ int paged_decode_attention(
             const float *qh = q + token_indices[r] * num_heads * head_dim;
             float *oh = out + token_indices[r] * num_heads * head_dim, *acc = scores + num_heads * max_len;
             const int64_t *table = block_tables + r * table_stride;
-            /* Common head sizes get their own unrolled copy. */
+            /* Common head sizes get their own unrolled copy, for each cache type. */
+#define ATTEND(dim, is_fp8) \
+    attend_request(&kv, table, first, len, qh, oh, num_heads, group, dim, scale * k_scale, v_scale, scores, \
+                   max_len, acc, is_fp8)
             if (head_dim == 64)
-                attend_request(&kv, table, first, len, qh, oh, num_heads, group, 64, scale, scores, max_len, acc);
+                fp8 ? ATTEND(64, 1) : ATTEND(64, 0);
             else if (head_dim == 128)
-                attend_request(&kv, table, first, len, qh, oh, num_heads, group, 128, scale, scores, max_len, acc);
+                fp8 ? ATTEND(128, 1) : ATTEND(128, 0);
             else
-                attend_request(&kv, table, first, len, qh, oh, num_heads, group, head_dim, scale, scores, max_len,
-                               acc);
+                fp8 ? ATTEND(head_dim, 1) : ATTEND(head_dim, 0);
+#undef ATTEND
         }
         free(scores);
     }
