@@ -1,10 +1,12 @@
-"""GPU check of the engine's CUDA path on the embedded model (issue 7), one section at a time; a
-section that fails prints its traceback and the others still run.
+"""GPU check of the engine's CUDA path (issue 7), one section at a time; a section that fails
+prints its traceback and the others still run.
 
-    python scripts/gpu_engine_check.py                          # on a CUDA machine
+    python scripts/gpu_engine_check.py [--model DIR]            # on a CUDA machine
     python scripts/gpu_engine_check.py --device cpu --smoke     # the script itself, no GPU
 
-1. exactness: float32 engine (Triton backend, CUDA graphs) vs transformers' greedy on the GPU;
+--model: an HF directory (scripts/gpu_model.py makes one where the embedded model cannot go).
+1. exactness: float32 engine (Triton backend, CUDA graphs) vs transformers' greedy on the GPU:
+   tokens, and the log-probability of each chosen token;
 2. CUDA graphs vs enforce_eager in bfloat16: same tokens, and decode step time at batch 1/16/64;
 3. the KV pool sized by gpu_memory_utilization: blocks, GiB, the GPU's memory in use afterwards;
 4. fp8 KV cache: blocks against bfloat16 for the same budget, token agreement.
@@ -13,6 +15,7 @@ section that fails prints its traceback and the others still run.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 import traceback
@@ -38,14 +41,19 @@ def chat_prompts(tokenizer) -> list[list[int]]:
 
 
 def engine(args, **overrides) -> LLM:
+    gc.collect()  # the previous section's engine, before this one measures free GPU memory
     cpu = dict(num_kv_blocks=512, attention_backend="torch") if args.device == "cpu" else {}
-    return LLM(**(dict(device=args.device, max_model_len=2048) | cpu | overrides))
+    return LLM(args.model, **(dict(device=args.device, max_model_len=2048) | cpu | overrides))
 
 
-def greedy(llm: LLM, prompts, max_tokens=MAX_TOKENS) -> list[list[int]]:
+def greedy(llm: LLM, prompts, max_tokens=MAX_TOKENS, with_logprobs=False):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0 if with_logprobs else None),
+                        use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    if not with_logprobs:
+        return tokens
+    return tokens, [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
 
 
 def agreement(a, b) -> str:
@@ -90,19 +98,27 @@ def section(title: str):
 def exactness(args, prompts):
     from pagedserve.bench.throughput import load_hf_reference
 
-    hf = load_hf_reference(torch.float32, args.device)
-    reference = []
+    hf = load_hf_reference(torch.float32, args.device, args.model)
+    reference, reference_logprobs = [], []
     for ids in prompts:
         t = torch.tensor([ids], device=args.device)
         with torch.inference_mode():
-            seq = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              pad_token_id=2)
-        reference.append(seq[0, len(ids):].tolist())
+            out = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              pad_token_id=2, output_scores=True, return_dict_in_generate=True)
+        chosen = out.sequences[0, len(ids):]
+        reference.append(chosen.tolist())
+        reference_logprobs.append([torch.log_softmax(s[0].float(), -1)[c].item() for s, c in zip(out.scores, chosen)])
     del hf
     llm = engine(args, dtype="float32")
     print("backend", llm.llm_engine.config.attention_backend, "graphs",
           llm.llm_engine.runner.decode_graphs is not None)
-    print("pagedserve float32 vs transformers float32:", agreement(greedy(llm, prompts), reference))
+    tokens, logprobs = greedy(llm, prompts, with_logprobs=True)
+    print("pagedserve float32 vs transformers float32:", agreement(tokens, reference))
+    same = [(a, b) for t, r, lp, rlp in zip(tokens, reference, logprobs, reference_logprobs) if t == r
+            for a, b in zip(lp, rlp)]
+    if same:
+        print(f"chosen-token log-probabilities over identical sequences: max abs diff "
+              f"{max(abs(a - b) for a, b in same):.2e} ({len(same)} steps)")
 
 
 @section("2. CUDA graphs vs enforce_eager, bfloat16")
@@ -157,12 +173,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="fewer sizes (to try the script without a GPU)")
+    parser.add_argument("--model", default=None, help="an HF directory (default: the embedded model)")
     args = parser.parse_args()
     if args.device == "cuda":
         print(torch.cuda.get_device_name(), "torch", torch.__version__)
     from pagedserve.models.loader import load_tokenizer
 
-    prompts = chat_prompts(load_tokenizer())
+    prompts = chat_prompts(load_tokenizer(args.model))
     if args.smoke:
         prompts = prompts[:3]
     for check in (exactness, graphs_vs_eager, pool_size, fp8):

@@ -4,7 +4,7 @@ Each layer's K and its V have one float32 scale each (per tensor): the cache hol
 rounded to e4m3 (3 mantissa bits, largest finite 448), and attention reads fp8 * scale. The
 scales are 1.0 (vLLM's default) unless `calculate_kv_scales` sets them from the first real
 forward pass: largest |x| of that step times CALIBRATION_HEADROOM, mapped onto 448, so later
-steps may bring keys twice as large before they saturate (torch's cast clamps to +-448).
+steps may bring keys twice as large before they saturate (writes clamp to +-448).
 
 torch has no CPU indexing kernels (index_copy_, index_select, indexed assignment) for fp8, so
 the torch paths index a byte view of the cache (`as_bytes`), the same memory.
@@ -40,8 +40,9 @@ def as_bytes(cache: Tensor) -> Tensor:
 
 
 def quantize(x: Tensor, scale: Tensor) -> Tensor:
-    """x / scale in e4m3 (round to nearest even, clamped to +-448)."""
-    return (x.float() / scale).to(FP8_DTYPE)
+    """x / scale in e4m3 (round to nearest even, clamped to +-448: torch's cast saturates only
+    from 2.12 on; before, values past 464 became NaN)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize(x: Tensor, dtype: torch.dtype, scale: Tensor) -> Tensor:

@@ -39,8 +39,10 @@ from pagedserve.attention.torch_ref import unit_scales
 BLOCK_M = 16  # new tokens per prefill program
 # Decode splits a request's context into parts of PARTITION_TOKENS when fewer than
 # SPLIT_BELOW_PROGRAMS (request, KV head) programs would run: about the SM count of a large GPU.
+# At most MAX_PARTS parts: longer contexts get longer parts (a CUDA graph's tables span max_model_len).
 PARTITION_TOKENS = 512
 SPLIT_BELOW_PROGRAMS = 128
+MAX_PARTS = 64
 _FP8_MAX = tl.constexpr(FP8_MAX)  # Triton reads module globals only as constexprs
 
 
@@ -83,7 +85,7 @@ def _quantize(x, scale, dtype: tl.constexpr):
 
     The rounding happens in float32 so that the cast itself is exact: Triton's interpreter (3.9)
     rounds up a mantissa of all ones without carrying into the exponent (31.9 became 16, not 32)."""
-    y = tl.clamp(x.to(tl.float32) / scale, -_FP8_MAX, _FP8_MAX)
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)  # `/` is approximate on GPUs
     bits = y.to(tl.int32, bitcast=True)  # keep 3 of float32's 23 mantissa bits, ties to even
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     # Below 2^-6: multiples of 2^-9 (adding 1.5 * 2^14 rounds there), with y's sign, zeros included.
@@ -278,10 +280,11 @@ def paged_attention(
         n, group = md.num_decodes, num_heads // num_kv_heads
         # Split-K ("flash decoding"): too few (request, KV head) programs to fill the GPU, and
         # contexts long enough to cut, so each request's blocks are shared among several programs.
-        part_blocks = max(1, PARTITION_TOKENS // block_size)
-        parts = triton.cdiv(md.decode_block_tables.shape[1], part_blocks)
+        width = md.decode_block_tables.shape[1]
+        part_blocks = max(1, PARTITION_TOKENS // block_size, triton.cdiv(width, MAX_PARTS))
+        parts = triton.cdiv(width, part_blocks)
         if n * num_kv_heads >= SPLIT_BELOW_PROGRAMS or parts < 2:
-            parts, part_blocks = 1, md.decode_block_tables.shape[1]
+            parts, part_blocks = 1, width
         partials = [torch.empty((n, num_heads, parts, *extra), dtype=torch.float32, device=q.device)
                     for extra in ((), (), (head_pad,))] if parts > 1 else [out] * 3  # unread when unsplit
         _decode[(n, num_kv_heads, parts)](

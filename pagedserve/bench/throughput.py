@@ -3,6 +3,7 @@ same token-id workload in one invocation, reported as ratios to pagedserve.
 
 Systems:
 - pagedserve: this engine (`LLM.generate`, greedy, ignore_eos so outputs have their set length);
+- pagedserve-fp8: the same with an fp8 KV cache (kv_cache_dtype="fp8");
 - hf-static: transformers `generate` in left-padded static batches (the contiguous-cache system:
   each batch runs until its longest output ends, and its cache is sized for that);
 - hf-cb: transformers' own continuous batching (`init_continuous_batching`), if present;
@@ -29,7 +30,7 @@ import torch
 from pagedserve.bench.workload import Workload
 
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
-SYSTEMS = ("pagedserve", "hf-static", "hf-cb", "vllm", "llamacpp")
+SYSTEMS = ("pagedserve", "pagedserve-fp8", "hf-static", "hf-cb", "vllm", "llamacpp")
 
 
 @dataclass
@@ -72,7 +73,8 @@ def timed(run, reps: int, warm_up=None) -> list[float]:
 # ---- the systems -----------------------------------------------------------------------------
 
 
-def run_pagedserve(workload: Workload, reps: int, model, tokenizer, **engine_kwargs) -> SystemResult:
+def run_pagedserve(workload: Workload, reps: int, model, tokenizer, label: str = "pagedserve",
+                   **engine_kwargs) -> SystemResult:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
@@ -89,8 +91,10 @@ def run_pagedserve(workload: Workload, reps: int, model, tokenizer, **engine_kwa
         produced = sum(len(o.token_ids) for out in outputs for o in out.outputs)
         assert produced == workload.num_output_tokens, (produced, workload.num_output_tokens)
 
-    return SystemResult("pagedserve", timed(run, reps), workload.num_prompt_tokens, workload.num_output_tokens,
-                        note=f"paged KV, block {llm.llm_engine.config.block_size}")
+    config = llm.llm_engine.config
+    kv = "" if config.kv_cache_dtype == "auto" else f" {config.kv_cache_dtype}"
+    return SystemResult(label, timed(run, reps), workload.num_prompt_tokens, workload.num_output_tokens,
+                        note=f"paged{kv} KV, block {config.block_size}")
 
 
 def _hf_generation_kwargs(n: int) -> dict:
@@ -210,8 +214,10 @@ def plot(results: list[SystemResult], title: str, path: str) -> None:
 def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, hf_batch_sizes=(8, 32, 64),
                          vllm_python: str | None = None, llamacpp_python: str | None = None,
                          hf_model_dir: str | None = None, engine_kwargs: dict | None = None,
-                         device: str = "cpu", dtype: str = "float32", log=print) -> list[SystemResult]:
-    """pagedserve and transformers run on `device` in `dtype`; vLLM and llama.cpp (CPU builds) on the CPU."""
+                         device: str = "cpu", dtype: str = "float32", model: str | None = None,
+                         log=print) -> list[SystemResult]:
+    """pagedserve and transformers run `model` (default: the embedded one) on `device` in `dtype`;
+    vLLM and llama.cpp (CPU builds) the embedded model on the CPU."""
     from pagedserve.models.loader import embedded_model_path, load_model, load_tokenizer
 
     unknown = set(systems) - set(SYSTEMS)
@@ -220,11 +226,11 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
 
     @functools.cache  # loaded once, by the first run that needs it
     def ours():
-        return load_model(None, getattr(torch, dtype), device), load_tokenizer()
+        return load_model(model, getattr(torch, dtype), device), load_tokenizer(model)
 
     @functools.cache
     def hf_model():
-        return load_hf_reference(getattr(torch, dtype), device)
+        return load_hf_reference(getattr(torch, dtype), device, model)
 
     engine_kwargs = {"device": device, "dtype": dtype} | (engine_kwargs or {})
 
@@ -232,6 +238,9 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
     for system in systems:
         if system == "pagedserve":
             runs.append(("pagedserve", lambda: run_pagedserve(workload, reps, *ours(), **engine_kwargs)))
+        elif system == "pagedserve-fp8":
+            runs.append(("pagedserve-fp8", lambda: run_pagedserve(
+                workload, reps, *ours(), label="pagedserve (fp8 KV)", **(engine_kwargs | {"kv_cache_dtype": "fp8"}))))
         elif system == "hf-static":
             runs += [(f"hf-static (batch {b})", lambda b=b: run_hf_static(workload, reps, hf_model(), b))
                      for b in hf_batch_sizes]
@@ -261,14 +270,16 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
     return results
 
 
-def load_hf_reference(dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """transformers' own load of the embedded GGUF, sdpa attention."""
+def load_hf_reference(dtype: torch.dtype = torch.float32, device: str = "cpu", model: str | None = None):
+    """transformers' own load of a Hugging Face directory, or of the embedded GGUF; sdpa attention."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
     from pagedserve.models.loader import embedded_model_path
 
+    if model is not None:
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
     path = Path(embedded_model_path())
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
 

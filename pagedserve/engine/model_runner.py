@@ -6,6 +6,8 @@ On CUDA it also sizes the KV pool from the GPU's free memory after a profiling f
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from pagedserve.attention.kv_quant import FP8_DTYPE, as_bytes
@@ -39,6 +41,8 @@ class ModelRunner:
         self.model, self.model_config, self.config = model, model_config, config
         self.block_size = config.block_size
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":  # Triton launches and graph capture use the current device
+            torch.cuda.set_device(self.device)
         self.kv_caches: list[KVCache] = []
         self.decode_graphs: DecodeGraphs | None = None
         # fp8 with calculate_kv_scales: the first real step sets every layer's scales.
@@ -51,22 +55,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def measure_kv_budget(self, max_model_len: int) -> int:
-        """CUDA: run the largest step the scheduler can plan (one prompt of max_num_batched_tokens,
-        capped by the context, and logits for max_num_seqs rows) on a throwaway cache, and return
-        the bytes the KV pool may take (`kv_budget_from_gpu_memory`)."""
-        num_tokens = min(self.config.max_num_batched_tokens, max_model_len)
-        self.allocate_kv_cache(-(-num_tokens // self.block_size))
-        torch.cuda.synchronize(self.device)
+        """CUDA: run the largest step the scheduler can plan (max_num_batched_tokens tokens, as
+        prompts of at most max_model_len, and sampling over max_num_seqs rows of logits) on a
+        throwaway cache, and return the bytes the KV pool may take (`kv_budget_from_gpu_memory`).
+
+        The peak is the Triton backend's (the default on CUDA): the torch backend materialises
+        [heads, chunk, context] scores for a chunk behind a long prefix, which this step does not
+        show. CUDA graphs are captured after the pool is allocated, out of the 1 - utilization share."""
+        gc.collect()  # a dropped engine can hold GPU memory until the cycle collector runs
         torch.cuda.empty_cache()
+        total_tokens = self.config.max_num_batched_tokens
+        lens = [min(max_model_len, total_tokens - start) for start in range(0, total_tokens, max_model_len)]
+        blocks = [-(-n // self.block_size) for n in lens]
+        self.allocate_kv_cache(sum(blocks))
+        tables = [list(range(sum(blocks[:i]), sum(blocks[:i + 1]))) for i in range(len(lens))]
+        torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        md = self._metadata([list(range(len(self.kv_caches[0].k)))], [0], [num_tokens])
-        hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), md.positions,
+        md = self._metadata(tables, [0] * len(lens), lens)
+        hidden = self.model(torch.zeros(total_tokens, dtype=torch.int64, device=self.device), md.positions,
                             self.kv_caches, md)
-        self.model.compute_logits(hidden[: min(num_tokens, self.config.max_num_seqs)]).float()
+        logits = self.model.compute_logits(hidden[: min(total_tokens, self.config.max_num_seqs)]).float()
+        torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)  # top-p / top-k's temporaries
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        del hidden, md
+        del hidden, logits, md
         self.kv_caches = []
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)

@@ -170,9 +170,9 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         workload, args.systems.split(","), reps=args.reps, hf_batch_sizes=tuple(args.hf_batch_sizes),
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python, hf_model_dir=args.hf_model_dir,
         engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
-        device=args.device, dtype=args.dtype)
+        device=args.device, dtype=args.dtype, model=args.model)
     table = markdown_table(workload, results)
-    if args.device == "cpu" and any(r.system == "pagedserve" and not r.skipped for r in results):
+    if args.device == "cpu" and args.model is None and any(r.system == "pagedserve" and not r.skipped for r in results):
         table += "\n\n" + ceiling_note(results)
     print(table)
     if args.out_dir:
@@ -338,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--max-num-seqs", type=int, default=256)
     thr.add_argument("--max-num-batched-tokens", type=int, default=2048)
     thr.add_argument("--device", default="cpu", help="where pagedserve and transformers run (cpu or cuda)")
+    thr.add_argument("--model", default=None, help="an HF directory for pagedserve and transformers (default: embedded)")
     thr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     thr.add_argument("--vllm-python", default=None, help="a Python with vllm installed (its own venv)")
     thr.add_argument("--hf-model-dir", default=None, help="the model as an HF directory for vLLM (pagedserve export-hf)")

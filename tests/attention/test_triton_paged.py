@@ -72,17 +72,22 @@ def test_without_a_gpu_or_the_interpreter_the_choice_is_a_clear_error(monkeypatc
 
 
 @pytest.mark.parametrize("window", [None, 40])
-def test_split_decode_matches_the_oracle(monkeypatch, window):
-    # Parts of 32 tokens: the longest decode (2 blocks of 16 + 3) spans 3 parts, the shortest 1
-    # (its other parts see no key); with the window, leading parts see none either.
+@pytest.mark.parametrize("max_parts", [64, 2])
+def test_split_decode_matches_the_oracle(monkeypatch, window, max_parts):
+    # Parts of 32 tokens (2 blocks): the mixed step's longest decode (3 blocks) spans 2 parts, the
+    # shortest 1 (its other part sees no key); with the window, leading parts see none either.
+    # The 8-block table of `longer` makes 4 parts, or 2 of 4 blocks when at most 2 are allowed.
     monkeypatch.setattr(triton_paged, "PARTITION_TOKENS", 32)
+    monkeypatch.setattr(triton_paged, "MAX_PARTS", max_parts)
     monkeypatch.setattr(triton_paged, "SPLIT_BELOW_PROGRAMS", 1000)
     merges = []
 
-    class CountingCombine:  # proves the split path ran: each launch of the merge kernel is counted
+    class CountingCombine:  # proves the split path ran: records each merge's number of parts
         def __getitem__(self, grid):
-            merges.append(grid)
-            return combine[grid]
+            def launch(*args, **kwargs):
+                merges.append(kwargs["NUM_PARTS"])
+                return combine[grid](*args, **kwargs)
+            return launch
 
     combine = triton_paged._combine
     monkeypatch.setattr(triton_paged, "_combine", CountingCombine())
@@ -94,4 +99,4 @@ def test_split_decode_matches_the_oracle(monkeypatch, window):
         out = triton_paged.paged_attention(qs, ks, vs, k_cache, v_cache, metadata, 0.125, window)
         expected = torch_ref.paged_attention(qs, ks, vs, ref_k, ref_v, metadata, 0.125, window)
         assert (out - expected).abs().max().item() < 1e-4
-    assert len(merges) == 2
+    assert merges == [2, 4 if max_parts == 64 else 2]

@@ -57,7 +57,7 @@ def test_a_failing_system_becomes_a_row_and_the_others_still_run(tiny, monkeypat
         raise RuntimeError("transformers' continuous batching stalled")
 
     monkeypatch.setattr(throughput, "run_hf_cb", stall)
-    monkeypatch.setattr(throughput, "load_hf_reference", lambda dtype, device: hf_model)
+    monkeypatch.setattr(throughput, "load_hf_reference", lambda dtype, device, model: hf_model)
     monkeypatch.setattr(throughput, "run_pagedserve", lambda w, reps, *a, **k: run_pagedserve(
         w, reps, model, tokenizer, num_kv_blocks=64, max_model_len=256))
     results = throughput.run_throughput_bench(workload, ["hf-cb", "pagedserve"], reps=1, log=lambda _: None)

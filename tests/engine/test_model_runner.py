@@ -74,16 +74,17 @@ def test_profiling_pass_runs_the_largest_step_and_frees_its_cache(tiny_checkpoin
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (36 * GiB, 40 * GiB))
     steps = []
     forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda ids, pos, caches, md: steps.append((len(ids), len(caches[0].k))) or
-                        forward(ids, pos, caches, md))
+    monkeypatch.setattr(model, "forward", lambda ids, pos, caches, md: steps.append(
+        (len(ids), len(caches[0].k), md.num_reqs)) or forward(ids, pos, caches, md))
 
     config = EngineConfig(device="cpu", max_num_batched_tokens=100, max_num_seqs=8, gpu_memory_utilization=0.5)
     runner = ModelRunner(model, model_config, config)
     budget = runner.measure_kv_budget(max_model_len=256)
-    assert steps == [(100, 7)]  # one prompt of max_num_batched_tokens, on ceil(100 / 16) blocks
+    assert steps == [(100, 7, 1)]  # one prompt of max_num_batched_tokens, on ceil(100 / 16) blocks
     assert runner.kv_caches == []  # the throwaway cache is gone before the pool is sized
     assert budget == kv_budget_from_gpu_memory(40 * GiB, 36 * GiB, GiB, 0.5) == 20 * GiB - 4 * GiB - GiB
-    assert runner.measure_kv_budget(max_model_len=64) and steps[-1] == (64, 4)  # capped by the context
+    # A shorter context: the same 100 tokens, as prompts of 40, 40 and 20 (3 + 3 + 2 blocks).
+    assert runner.measure_kv_budget(max_model_len=40) and steps[-1] == (100, 8, 3)
 
 
 def test_copy_on_write_copies_fp8_blocks_byte_for_byte(embedded_model):
