@@ -169,7 +169,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     results = run_throughput_bench(
         workload, args.systems.split(","), reps=args.reps, hf_batch_sizes=tuple(args.hf_batch_sizes),
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python, hf_model_dir=args.hf_model_dir,
-        engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+        engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                       "kv_cache_memory_bytes": args.kv_cache_memory_bytes},
         device=args.device, dtype=args.dtype, model=args.model)
     table = markdown_table(workload, results)
     if args.device == "cpu" and args.model is None and any(r.system == "pagedserve" and not r.skipped for r in results):
@@ -337,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32, 64])
     thr.add_argument("--max-num-seqs", type=int, default=256)
     thr.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    thr.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="pagedserve's KV pool (default: 1 GiB on CPU)")
     thr.add_argument("--device", default="cpu", help="where pagedserve and transformers run (cpu or cuda)")
     thr.add_argument("--model", default=None, help="an HF directory for pagedserve and transformers (default: embedded)")
     thr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
