@@ -15,8 +15,8 @@
  * Query head h reads KV head h / (num_heads / num_kv_heads). Request r, at position
  * p = seq_lens[r] - 1, sees key positions j with p - window < j <= p (window <= 0: every j <= p).
  * Scores are (q . k) * scale and the softmax runs in float32, as in transformers' eager attention.
- * An fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened through a
- * 256-entry table as it is read; its K scale multiplies the scores, its V scale the output.
+ * An fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened to float32
+ * as it is read; its K scale multiplies the scores, its V scale the output.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,30 +43,35 @@ static inline vec load(const float *p)
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-/* e4m3 (the "fn" variant: no infinities) -> float, for every byte. */
-static float fp8_values[256];
-
-__attribute__((constructor)) static void build_fp8_values(void)
+/* An e4m3 byte as a float, in integer ops the compiler vectorizes (a table lookup per byte does
+ * not, and made the kernel 3.4x slower). A normal byte s eeee mmm is the float s (eeee + 120)
+ * mmm 0...0; a subnormal (eeee = 0) is mmm x 2^-9. The NaN bytes (0x7f, 0xff) read as +-480:
+ * kv_quant.quantize never writes them, as it clamps finite input to +-448. */
+static inline float fp8_to_float(uint8_t byte)
 {
-    for (int b = 0; b < 256; b++) {
-        const int exponent = (b >> 3) & 15, mantissa = b & 7;
-        float x = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf(1.0f + mantissa / 8.0f, exponent - 7);
-        if (exponent == 15 && mantissa == 7)
-            x = NAN;
-        fp8_values[b] = b & 128 ? -x : x;
-    }
+    const uint32_t magnitude = byte & 0x7f, sign = (uint32_t)(byte & 0x80) << 24;
+    const float subnormal = (float)magnitude * (1.0f / 512);
+    uint32_t sub_bits;
+    memcpy(&sub_bits, &subnormal, sizeof sub_bits);
+    const uint32_t is_sub = -(uint32_t)(magnitude < 8); /* a mask, not a branch: the loop vectorizes */
+    const uint32_t bits = (sub_bits & is_sub) | (((magnitude << 20) + (120u << 23)) & ~is_sub) | sign;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
 }
 
-/* VL elements of a cache row from element `offset`: float32, or fp8 widened. */
-static inline vec load_row(const void *cache, int64_t offset, const int fp8)
+/* Rows t0..t1-1 of cache block `block` as floats: in place for a float32 cache; an fp8 block is
+ * widened once into buf, so the query heads that share its rows do not each convert them. */
+static inline const float *block_rows(const void *cache, int64_t block, int64_t t0, int64_t t1, int64_t bs,
+                                      int64_t stride, const int fp8, float *buf)
 {
     if (!fp8)
-        return load((const float *)cache + offset);
-    const uint8_t *p = (const uint8_t *)cache + offset;
-    vec v;
-    for (int i = 0; i < VL; i++)
-        v[i] = fp8_values[p[i]];
-    return v;
+        return (const float *)cache + block * bs * stride;
+    const uint8_t *src = (const uint8_t *)cache + block * bs * stride;
+#pragma omp simd
+    for (int64_t i = t0 * stride; i < t1 * stride; i++)
+        buf[i] = fp8_to_float(src[i]);
+    return buf;
 }
 
 /* Sum of the lanes, as a tree (a running scalar sum would be a chain of 16 dependent adds). */
@@ -110,16 +115,16 @@ static inline void prefetch_block(const void *p, int64_t n)
 /* Attention of one request's query heads qh [num_heads, head_dim] over its keys first..len-1,
  * into oh. Query head h reads KV head h / group. Each block's K and V rows (all KV heads,
  * contiguous) are read once, in order, and reused from L1 by the heads that share them.
- * scores: scratch of num_heads * max_len floats; acc: num_heads * head_dim.
- * Always inlined, so a constant head_dim gives fully unrolled vector loops and a constant fp8
- * (element size 1, else 4) a loop for that cache alone. */
+ * scores: scratch of num_heads * max_len floats; acc: num_heads * head_dim; buf: one block of
+ * floats (fp8 only). Always inlined, so a constant head_dim gives fully unrolled vector loops and
+ * a constant fp8 a copy for that cache type alone. */
 static inline __attribute__((always_inline)) void attend_request(
     const struct paged_kv *kv, const int64_t *table, int64_t first, int64_t len, const float *qh, float *oh,
     int64_t num_heads, int64_t group, const int64_t head_dim, float scale, float v_scale, float *scores,
-    int64_t max_len, float *acc, const int fp8)
+    int64_t max_len, float *acc, const int fp8, float *buf)
 {
     const int64_t bs = kv->block_size, stride = kv->token_stride, nv = head_dim / VL;
-    const int64_t block_elems = bs * stride, block_bytes = block_elems * (fp8 ? 1 : 4);
+    const int64_t block_bytes = bs * stride * (fp8 ? 1 : 4);
     const int64_t first_block = first / bs, end_block = (len + bs - 1) / bs;
     float maxima[num_heads], sums[num_heads];
     for (int64_t h = 0; h < num_heads; h++)
@@ -128,19 +133,19 @@ static inline __attribute__((always_inline)) void attend_request(
     /* Scores, block by block, and each query head's maximum. */
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
-        const int64_t kb = table[b] * block_elems; /* element offset of the block */
         if (b + 1 < end_block) /* blocks sit anywhere in the pool, out of the prefetcher's sight */
             prefetch_block((const char *)kv->k_cache + table[b + 1] * block_bytes, block_bytes);
+        const float *kb = block_rows(kv->k_cache, table[b], t0, t1, bs, stride, fp8, buf);
         for (int64_t h = 0; h < num_heads; h++) {
             vec q[nv];
             for (int64_t i = 0; i < nv; i++)
                 q[i] = load(qh + h * head_dim + i * VL);
-            const int64_t kh = kb + (h / group) * head_dim;
+            const float *kh = kb + (h / group) * head_dim;
             float *sh = scores + h * max_len + b * bs, m = maxima[h];
             for (int64_t t = t0; t < t1; t++) {
-                vec prod = q[0] * load_row(kv->k_cache, kh + t * stride, fp8);
+                vec prod = q[0] * load(kh + t * stride);
                 for (int64_t i = 1; i < nv; i++)
-                    prod += q[i] * load_row(kv->k_cache, kh + t * stride + i * VL, fp8);
+                    prod += q[i] * load(kh + t * stride + i * VL);
                 sh[t] = hsum(prod) * scale;
                 m = sh[t] > m ? sh[t] : m;
             }
@@ -164,18 +169,17 @@ static inline __attribute__((always_inline)) void attend_request(
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
-        const int64_t vb = table[b] * block_elems;
         if (b + 1 < end_block)
             prefetch_block((const char *)kv->v_cache + table[b + 1] * block_bytes, block_bytes);
+        const float *vb = block_rows(kv->v_cache, table[b], t0, t1, bs, stride, fp8, buf);
         for (int64_t h = 0; h < num_heads; h++) {
             vec a[nv];
             for (int64_t i = 0; i < nv; i++)
                 a[i] = load(acc + h * head_dim + i * VL);
-            const int64_t vh = vb + (h / group) * head_dim;
-            const float *ph = scores + h * max_len + b * bs;
+            const float *vh = vb + (h / group) * head_dim, *ph = scores + h * max_len + b * bs;
             for (int64_t t = t0; t < t1; t++)
                 for (int64_t i = 0; i < nv; i++)
-                    a[i] += ph[t] * load_row(kv->v_cache, vh + t * stride + i * VL, fp8);
+                    a[i] += ph[t] * load(vh + t * stride + i * VL);
             for (int64_t i = 0; i < nv; i++)
                 store(acc + h * head_dim + i * VL, a[i]);
         }
@@ -204,7 +208,8 @@ int paged_decode_attention(
 
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * num_heads * (max_len + head_dim)); /* + acc */
+        /* Per thread: scores, then acc, then one block of widened fp8 rows. */
+        float *scores = malloc(sizeof(float) * (num_heads * (max_len + head_dim) + (fp8 ? block_size * kv.token_stride : 0)));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -216,11 +221,12 @@ int paged_decode_attention(
             const int64_t len = seq_lens[r], first = window > 0 && len > window ? len - window : 0;
             const float *qh = q + token_indices[r] * num_heads * head_dim;
             float *oh = out + token_indices[r] * num_heads * head_dim, *acc = scores + num_heads * max_len;
+            float *buf = acc + num_heads * head_dim;
             const int64_t *table = block_tables + r * table_stride;
             /* Common head sizes get their own unrolled copy, for each cache type. */
 #define ATTEND(dim, is_fp8) \
     attend_request(&kv, table, first, len, qh, oh, num_heads, group, dim, scale * k_scale, v_scale, scores, \
-                   max_len, acc, is_fp8)
+                   max_len, acc, is_fp8, buf)
             if (head_dim == 64)
                 fp8 ? ATTEND(64, 1) : ATTEND(64, 0);
             else if (head_dim == 128)
