@@ -45,10 +45,11 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)  # a bad name fails here, not at a step
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.attention_backend = resolve_attention_backend(self.attention_backend, torch.device(self.device))
+        if self.calculate_kv_scales and self.kv_torch_dtype != torch.float8_e4m3fn:
+            raise ValueError("calculate_kv_scales needs kv_cache_dtype='fp8'")
         if self.kv_torch_dtype == torch.float8_e4m3fn and self.attention_backend == "triton":
             from pagedserve.attention.triton_paged import fp8_supported
 
@@ -79,7 +80,8 @@ class EngineConfig:
             budget = self.kv_cache_memory_bytes or measured_budget or DEFAULT_CPU_KV_CACHE_BYTES
             num_blocks = budget // (kv_bytes_per_token * self.block_size)
             if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {self.block_size} tokens")
+                source = "kv_cache_memory_bytes" if self.kv_cache_memory_bytes else "the KV budget"
+                raise ValueError(f"{source} ({budget} bytes) holds no block of {self.block_size} tokens")
         capacity = num_blocks * self.block_size
         if self.max_model_len is None:
             return num_blocks, min(model_max_len, capacity)
@@ -89,9 +91,12 @@ class EngineConfig:
                 f"({num_blocks} blocks x {self.block_size} = {capacity} tokens): "
                 "raise num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
             )
-        if self.max_model_len > model_max_len:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context ({model_max_len})")
+        self.check_max_model_len(model_max_len)
         return num_blocks, self.max_model_len
+
+    def check_max_model_len(self, model_max_len: int) -> None:
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context ({model_max_len})")
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

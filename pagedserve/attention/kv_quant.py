@@ -6,8 +6,8 @@ scales are 1.0 (vLLM's default) unless `calculate_kv_scales` sets them from the 
 forward pass: largest |x| of that step times CALIBRATION_HEADROOM, mapped onto 448, so later
 steps may bring keys twice as large before they saturate (writes clamp to +-448).
 
-torch has no CPU indexing kernels (index_copy_, index_select, indexed assignment) for fp8, so
-the torch paths index a byte view of the cache (`as_bytes`), the same memory.
+torch has no CPU index_copy_ for fp8 (2.13), so the torch paths index a byte view of the cache
+(`as_bytes`), the same memory, which every indexing op supports on every device.
 """
 
 from __future__ import annotations
@@ -22,12 +22,16 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16")
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's element type: "auto" follows the model; "fp8" is e4m3."""
+    """The cache's element type: "auto" (or the model's dtype by name) follows the model; "fp8" is
+    e4m3. Another float type than the model's is refused: the K/V written are the model's."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    if name == "auto":
-        return model_dtype
-    return FP8_DTYPE if name.startswith("fp8") else getattr(torch, name)
+    if name.startswith("fp8"):
+        return FP8_DTYPE
+    if name != "auto" and getattr(torch, name) != model_dtype:
+        raise ValueError(f"kv_cache_dtype={name!r} differs from the model's dtype ({model_dtype}): "
+                         "use 'auto' (the model's) or 'fp8'")
+    return model_dtype
 
 
 def is_fp8(cache: Tensor) -> bool:

@@ -59,7 +59,8 @@ def available(device: torch.device) -> str | None:
 def fp8_supported(device: torch.device) -> str | None:
     """None if the kernels can use an fp8 cache on `device`, else why not (e4m3 needs sm_89+)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        return f"kv_cache_dtype='fp8' with the Triton backend needs a GPU of compute capability 8.9 or newer"
+        return ("kv_cache_dtype='fp8' with the Triton backend needs a GPU of compute capability 8.9 or newer; "
+                "attention_backend='torch' runs it on older GPUs")
     return None
 
 

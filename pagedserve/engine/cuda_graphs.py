@@ -5,7 +5,7 @@ forward), not by running them. A CUDA graph records one forward's launches once 
 with a single call. A graph replays fixed shapes and fixed addresses, so:
 - graphs are captured at a set of batch sizes (CAPTURE_SIZES, up to max_num_seqs); a step of n
   decodes runs the graph of the next size up, its extra rows padded: slot -1 (the KV write skips
-  it), context length 1 read from block 0, outputs dropped;
+  it), context length 1 (one key, from whatever block a stale table row names), outputs dropped;
 - the step's inputs are copied into static buffers that every graph reads (block tables as wide
   as max_model_len needs), and each graph's output is a static tensor, read after the replay;
 - only the forward is captured (embedding to final norm); the LM head and sampling run eagerly

@@ -52,6 +52,7 @@ class LLMEngine:
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         self.runner = ModelRunner(self.model, self.model_config, config)
         model_max_len = self.model_config.max_position_embeddings
+        config.check_max_model_len(model_max_len)  # before a profiling pass runs that long a prompt
         measured = self.runner.measure_kv_budget(config.max_model_len or model_max_len) \
             if config.measures_kv_budget else None
         num_blocks, self.max_model_len = config.resolve_kv_pool(

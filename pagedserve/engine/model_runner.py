@@ -41,8 +41,8 @@ class ModelRunner:
         self.model, self.model_config, self.config = model, model_config, config
         self.block_size = config.block_size
         self.device = torch.device(config.device)
-        if self.device.type == "cuda":  # Triton launches and graph capture use the current device
-            torch.cuda.set_device(self.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         self.kv_caches: list[KVCache] = []
         self.decode_graphs: DecodeGraphs | None = None
         # fp8 with calculate_kv_scales: the first real step sets every layer's scales.

@@ -59,6 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    # kv_quant.KV_CACHE_DTYPES, spelled out: importing it would import torch and slow --help.
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16"],
                    help="KV cache element type: auto (the model's dtype) or fp8 (e4m3, per-tensor scales)")
     g.add_argument("--calculate-kv-scales", action="store_true",

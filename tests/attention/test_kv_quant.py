@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.attention import kv_quant, sdpa, torch_ref, triton_paged
+from pagedserve.attention import cpu_kernel, kv_quant, sdpa, torch_ref, triton_paged
 from pagedserve.attention.kv_quant import FP8_DTYPE, quantize
 from tests.attention.test_triton_paged import mixed_step
 
@@ -15,9 +15,11 @@ def test_cache_dtype_names():
     assert kv_quant.resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_quant.resolve_kv_cache_dtype("fp8", torch.float32) == FP8_DTYPE
     assert kv_quant.resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16) == FP8_DTYPE
-    assert kv_quant.resolve_kv_cache_dtype("float16", torch.float32) == torch.float16
+    assert kv_quant.resolve_kv_cache_dtype("float32", torch.float32) == torch.float32
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         kv_quant.resolve_kv_cache_dtype("int4", torch.float32)
+    with pytest.raises(ValueError, match="differs from the model's dtype"):  # the K/V written are the model's
+        kv_quant.resolve_kv_cache_dtype("float16", torch.float32)
 
 
 def test_rounding_error_and_saturation():
@@ -63,12 +65,17 @@ def test_oracle_on_fp8_stays_close_to_float32():
     assert torch.equal(k8.view(-1, 2, 64)[rows].view(torch.uint8), quantize(k, SCALES[0]).view(torch.uint8))
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "triton"])
-def test_backends_read_and_write_fp8_as_the_oracle(backend):
+@pytest.mark.parametrize("path", ["c-kernel", "sdpa-groups", "triton", "triton-split"])
+def test_backends_read_and_write_fp8_as_the_oracle(path, monkeypatch):
+    if path == "sdpa-groups":  # the fallback when the C kernel cannot run
+        monkeypatch.setattr(cpu_kernel, "supports", lambda q, k_cache: False)
+    if path == "triton-split":  # decodes split over parts of 16 tokens, then merged
+        monkeypatch.setattr(triton_paged, "PARTITION_TOKENS", 16)
+        monkeypatch.setattr(triton_paged, "SPLIT_BELOW_PROGRAMS", 1000)
     q, k, v, k8, v8, md = fp8_step(SCALES, seed=1)
     ref_k, ref_v = k8.clone(), v8.clone()
     expected = torch_ref.paged_attention(q, k, v, ref_k, ref_v, md, 0.125, 6, SCALES)
-    module = sdpa if backend == "sdpa" else triton_paged
+    module = triton_paged if path.startswith("triton") else sdpa
     out = module.paged_attention(q, k, v, k8, v8, md, 0.125, 6, SCALES)
     assert torch.equal(k8.view(torch.uint8), ref_k.view(torch.uint8))  # same rounding as torch's cast
     assert torch.equal(v8.view(torch.uint8), ref_v.view(torch.uint8))

@@ -30,3 +30,13 @@ def test_engine_flags_build_the_config():
 def test_llm_rejects_an_unknown_engine_argument_before_loading():
     with pytest.raises(TypeError, match=r"unknown engine arguments \['kv_cache_type'\]"):
         LLM(kv_cache_type="fp8")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(kv_cache_dtype="bfloat16"), "differs from the model's dtype"),
+    (dict(calculate_kv_scales=True), "calculate_kv_scales needs kv_cache_dtype='fp8'"),
+    (dict(kv_cache_dtype="fp4"), "kv_cache_dtype must be one of"),
+])
+def test_kv_cache_settings_that_cannot_work_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(device="cpu", **settings)
