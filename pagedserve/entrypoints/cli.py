@@ -172,7 +172,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python, hf_model_dir=args.hf_model_dir,
         engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                        "kv_cache_memory_bytes": args.kv_cache_memory_bytes},
-        device=args.device, dtype=args.dtype, model=args.model)
+        device=args.device, model=args.model,
+        dtype=args.dtype if args.dtype != "auto" else "bfloat16" if args.device.startswith("cuda") else "float32")
     table = markdown_table(workload, results)
     if args.device == "cpu" and args.model is None and any(r.system == "pagedserve" and not r.skipped for r in results):
         table += "\n\n" + ceiling_note(results)
@@ -341,8 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--max-num-batched-tokens", type=int, default=2048)
     thr.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="pagedserve's KV pool (default: 1 GiB on CPU)")
     thr.add_argument("--device", default="cpu", help="where pagedserve and transformers run (cpu or cuda)")
-    thr.add_argument("--model", default=None, help="an HF directory for pagedserve and transformers (default: embedded)")
-    thr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    thr.add_argument("--model", default=None, help="an HF directory for pagedserve and transformers (default: "
+                     "embedded; vLLM and llama.cpp always run the embedded model)")
+    thr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="pagedserve's and transformers' (auto: float32 on CPU, bfloat16 on CUDA)")
     thr.add_argument("--vllm-python", default=None, help="a Python with vllm installed (its own venv)")
     thr.add_argument("--hf-model-dir", default=None, help="the model as an HF directory for vLLM (pagedserve export-hf)")
     thr.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python installed")
