@@ -44,7 +44,7 @@ static inline vec load(const float *p)
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* An e4m3 byte as a float, in integer ops the compiler vectorizes (a table lookup per byte does
- * not, and made the kernel 3.4x slower). A normal byte s eeee mmm is the float s (eeee + 120)
+ * not). A normal byte s eeee mmm is the float s (eeee + 120)
  * mmm 0...0; a subnormal (eeee = 0) is mmm x 2^-9. The NaN bytes (0x7f, 0xff) read as +-480:
  * kv_quant.quantize never writes them, as it clamps finite input to +-448. */
 static inline float fp8_to_float(uint8_t byte)
@@ -58,20 +58,6 @@ static inline float fp8_to_float(uint8_t byte)
     float x;
     memcpy(&x, &bits, sizeof x);
     return x;
-}
-
-/* Rows t0..t1-1 of cache block `block` as floats: in place for a float32 cache; an fp8 block is
- * widened once into buf, so the query heads that share its rows do not each convert them. */
-static inline const float *block_rows(const void *cache, int64_t block, int64_t t0, int64_t t1, int64_t bs,
-                                      int64_t stride, const int fp8, float *buf)
-{
-    if (!fp8)
-        return (const float *)cache + block * bs * stride;
-    const uint8_t *src = (const uint8_t *)cache + block * bs * stride;
-#pragma omp simd
-    for (int64_t i = t0 * stride; i < t1 * stride; i++)
-        buf[i] = fp8_to_float(src[i]);
-    return buf;
 }
 
 /* Sum of the lanes, as a tree (a running scalar sum would be a chain of 16 dependent adds). */
@@ -112,6 +98,24 @@ static inline void prefetch_block(const void *p, int64_t n)
         __builtin_prefetch((const char *)p + i);
 }
 
+/* Rows t0..t1-1 of the request's block b as floats: in place for a float32 cache; an fp8 block is
+ * widened once into buf, so the query heads that share its rows do not each convert them. Block
+ * b + 1 is asked for meanwhile: blocks sit anywhere in the pool, out of the prefetcher's sight. */
+static inline const float *block_rows(const void *cache, const int64_t *table, int64_t b, int64_t end_block,
+                                      int64_t t0, int64_t t1, int64_t bs, int64_t stride, const int fp8, float *buf)
+{
+    const int64_t block_bytes = bs * stride * (fp8 ? 1 : sizeof(float));
+    if (b + 1 < end_block)
+        prefetch_block((const char *)cache + table[b + 1] * block_bytes, block_bytes);
+    const uint8_t *block = (const uint8_t *)cache + table[b] * block_bytes;
+    if (!fp8)
+        return (const float *)block;
+#pragma omp simd
+    for (int64_t i = t0 * stride; i < t1 * stride; i++)
+        buf[i] = fp8_to_float(block[i]);
+    return buf;
+}
+
 /* Attention of one request's query heads qh [num_heads, head_dim] over its keys first..len-1,
  * into oh. Query head h reads KV head h / group. Each block's K and V rows (all KV heads,
  * contiguous) are read once, in order, and reused from L1 by the heads that share them.
@@ -124,7 +128,6 @@ static inline __attribute__((always_inline)) void attend_request(
     int64_t max_len, float *acc, const int fp8, float *buf)
 {
     const int64_t bs = kv->block_size, stride = kv->token_stride, nv = head_dim / VL;
-    const int64_t block_bytes = bs * stride * (fp8 ? 1 : 4);
     const int64_t first_block = first / bs, end_block = (len + bs - 1) / bs;
     float maxima[num_heads], sums[num_heads];
     for (int64_t h = 0; h < num_heads; h++)
@@ -133,9 +136,7 @@ static inline __attribute__((always_inline)) void attend_request(
     /* Scores, block by block, and each query head's maximum. */
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
-        if (b + 1 < end_block) /* blocks sit anywhere in the pool, out of the prefetcher's sight */
-            prefetch_block((const char *)kv->k_cache + table[b + 1] * block_bytes, block_bytes);
-        const float *kb = block_rows(kv->k_cache, table[b], t0, t1, bs, stride, fp8, buf);
+        const float *kb = block_rows(kv->k_cache, table, b, end_block, t0, t1, bs, stride, fp8, buf);
         for (int64_t h = 0; h < num_heads; h++) {
             vec q[nv];
             for (int64_t i = 0; i < nv; i++)
@@ -169,9 +170,7 @@ static inline __attribute__((always_inline)) void attend_request(
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
-        if (b + 1 < end_block)
-            prefetch_block((const char *)kv->v_cache + table[b + 1] * block_bytes, block_bytes);
-        const float *vb = block_rows(kv->v_cache, table[b], t0, t1, bs, stride, fp8, buf);
+        const float *vb = block_rows(kv->v_cache, table, b, end_block, t0, t1, bs, stride, fp8, buf);
         for (int64_t h = 0; h < num_heads; h++) {
             vec a[nv];
             for (int64_t i = 0; i < nv; i++)
