@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.attention.kv_quant import resolve_kv_cache_dtype
+from pagedserve.attention.kv_quant import FP8_DTYPE, resolve_kv_cache_dtype
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in float32
 
@@ -48,9 +48,9 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.attention_backend = resolve_attention_backend(self.attention_backend, torch.device(self.device))
-        if self.calculate_kv_scales and self.kv_torch_dtype != torch.float8_e4m3fn:
+        if self.calculate_kv_scales and self.kv_torch_dtype != FP8_DTYPE:
             raise ValueError("calculate_kv_scales needs kv_cache_dtype='fp8'")
-        if self.kv_torch_dtype == torch.float8_e4m3fn and self.attention_backend == "triton":
+        if self.kv_torch_dtype == FP8_DTYPE and self.attention_backend == "triton":
             from pagedserve.attention.triton_paged import fp8_supported
 
             reason = fp8_supported(torch.device(self.device))

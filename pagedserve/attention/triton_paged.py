@@ -267,9 +267,9 @@ def paged_attention(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     row = num_kv_heads * head_dim
     kv_scales, fp8 = unit_scales(kv_scales, q.device), is_fp8(k_cache)
-    # Products in float32 for float32 models, and for bfloat16 under the interpreter, whose bfloat16
-    # tl.dot is wrong (Triton 3.9: a 16x16 product off by 2e10).
-    f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    # Products in float32 for float32 models, and for bfloat16 under the interpreter (CPU tensors),
+    # whose bfloat16 tl.dot is wrong (Triton 3.9: a 16x16 product off by 2e10).
+    f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu")
     _write_kv[(num_tokens,)](k, v, k_cache, v_cache, md.slot_mapping, kv_scales, ROW=row,
                              ROW_PAD=triton.next_power_of_2(row), FP8=fp8)
 
