@@ -248,6 +248,12 @@ def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables,
     tl.store(Out + q_offs, out.to(Out.dtype.element_ty), mask=q_mask)
 
 
+def products_in_float32(q: Tensor) -> bool:
+    """The kernels' F32: products in float32 for float32 models, and for bfloat16 under the
+    interpreter (CPU tensors), whose bfloat16 tl.dot is wrong (Triton 3.9: a 16x16 product off by 2e10)."""
+    return q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu")
+
+
 def paged_attention(
     q: Tensor,
     k: Tensor,
@@ -266,10 +272,7 @@ def paged_attention(
         raise ValueError(f"the Triton backend needs a power-of-two block size, got {block_size}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     row = num_kv_heads * head_dim
-    kv_scales, fp8 = unit_scales(kv_scales, q.device), is_fp8(k_cache)
-    # Products in float32 for float32 models, and for bfloat16 under the interpreter (CPU tensors),
-    # whose bfloat16 tl.dot is wrong (Triton 3.9: a 16x16 product off by 2e10).
-    f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu")
+    kv_scales, fp8, f32 = unit_scales(kv_scales, q.device), is_fp8(k_cache), products_in_float32(q)
     _write_kv[(num_tokens,)](k, v, k_cache, v_cache, md.slot_mapping, kv_scales, ROW=row,
                              ROW_PAD=triton.next_power_of_2(row), FP8=fp8)
 
@@ -277,6 +280,7 @@ def paged_attention(
     window = sliding_window or 0
     head_pad = triton.next_power_of_2(head_dim)
     tables = md.block_tables
+    use_dot = block_size >= 16  # tl.dot takes tiles of 16 or more (decode pads its query heads to 16)
     if md.num_decodes:
         n, group = md.num_decodes, num_heads // num_kv_heads
         # Split-K ("flash decoding"): too few (request, KV head) programs to fill the GPU, and
@@ -292,8 +296,8 @@ def paged_attention(
             q, k_cache, v_cache, out, *partials, md.decode_token_indices, md.decode_block_tables,
             md.decode_seq_lens, md.decode_block_tables.stride(0), scale, window, part_blocks, kv_scales,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-            GROUP_PAD=max(triton.next_power_of_2(group), 16), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size, USE_DOT=block_size >= 16, SPLIT=parts > 1, FP8=fp8, F32=f32,
+            GROUP_PAD=max(triton.next_power_of_2(group), 16 if use_dot else 1), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size, USE_DOT=use_dot, SPLIT=parts > 1, FP8=fp8, F32=f32,
         )
         if parts > 1:
             _combine[(n, num_heads)](out, *partials, md.decode_token_indices, NUM_HEADS=num_heads, NUM_PARTS=parts,
@@ -303,6 +307,6 @@ def paged_attention(
         _prefill[(len(md.prefill_req_indices), num_heads, triton.cdiv(md.max_query_len, BLOCK_M))](
             q, k_cache, v_cache, out, reqs, md.query_start_loc, tables, md.seq_lens, tables.stride(0), scale,
             window, kv_scales, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=block_size >= 16, FP8=fp8, F32=f32,
+            HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=use_dot, FP8=fp8, F32=f32,
         )
     return out
