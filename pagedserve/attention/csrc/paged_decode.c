@@ -98,6 +98,10 @@ static inline void prefetch_block(const void *p, int64_t n)
         __builtin_prefetch((const char *)p + i);
 }
 
+/* The rows t0..t1-1 of block b that hold visible keys, for keys first..len-1 (blocks of bs rows). */
+static inline int64_t span_start(int64_t b, int64_t first, int64_t bs) { return first > b * bs ? first - b * bs : 0; }
+static inline int64_t span_end(int64_t b, int64_t len, int64_t bs) { return len - b * bs < bs ? len - b * bs : bs; }
+
 /* Rows t0..t1-1 of the request's block b as floats: in place for a float32 cache; an fp8 block is
  * widened once into buf, so the query heads that share its rows do not each convert them. Block
  * b + 1 is asked for meanwhile: blocks sit anywhere in the pool, out of the prefetcher's sight. */
@@ -135,7 +139,7 @@ static inline __attribute__((always_inline)) void attend_request(
 
     /* Scores, block by block, and each query head's maximum. */
     for (int64_t b = first_block; b < end_block; b++) {
-        const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
+        const int64_t t0 = span_start(b, first, bs), t1 = span_end(b, len, bs);
         const float *kb = block_rows(kv->k_cache, table, b, end_block, t0, t1, bs, stride, fp8, buf);
         for (int64_t h = 0; h < num_heads; h++) {
             vec q[nv];
@@ -169,7 +173,7 @@ static inline __attribute__((always_inline)) void attend_request(
     /* Probability-weighted sum of V, normalised at the end. */
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int64_t b = first_block; b < end_block; b++) {
-        const int64_t t0 = b == first_block ? first - b * bs : 0, t1 = len - b * bs < bs ? len - b * bs : bs;
+        const int64_t t0 = span_start(b, first, bs), t1 = span_end(b, len, bs);
         const float *vb = block_rows(kv->v_cache, table, b, end_block, t0, t1, bs, stride, fp8, buf);
         for (int64_t h = 0; h < num_heads; h++) {
             vec a[nv];
