@@ -7,11 +7,11 @@ result. An fp8 cache holds K/V divided by its layer's scales (`kv_quant`); reads
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from typing import NamedTuple
 
 from pagedserve.attention.kv_quant import as_bytes, dequantize, is_fp8, quantize
 from pagedserve.attention.metadata import AttentionMetadata

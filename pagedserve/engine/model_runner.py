@@ -10,7 +10,7 @@ import gc
 
 import torch
 
-from pagedserve.attention.kv_quant import FP8_DTYPE, as_bytes
+from pagedserve.attention.kv_quant import as_bytes
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_ref import KVCache, allocate_kv_cache
 from pagedserve.config import EngineConfig
@@ -45,8 +45,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         self.kv_caches: list[KVCache] = []
         self.decode_graphs: DecodeGraphs | None = None
-        # fp8 with calculate_kv_scales: the first real step sets every layer's scales.
-        self.calibrate_kv_scales = config.calculate_kv_scales and config.kv_torch_dtype == FP8_DTYPE
+        # calculate_kv_scales (EngineConfig allows it with fp8 only): the first real step sets every layer's scales.
+        self.calibrate_kv_scales = config.calculate_kv_scales
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config

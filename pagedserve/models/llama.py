@@ -8,12 +8,11 @@ are fused into one matmul each; `checkpoint_targets` maps checkpoint names onto 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention import paged_attention
 from pagedserve.attention.kv_quant import calibrated_scale
+from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_ref import KVCache
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.layers import GatedMLP, Linear, OneDNNWeight, RMSNorm, RotaryEmbedding, apply_rotary, linear

@@ -111,14 +111,13 @@ def load_weights(net: DecoderForCausalLM, tensors: Iterable[tuple[str, Tensor]])
                 "(do num_layers, biases or qk-norm disagree with the weights?)"
             )
         param, start, rows = targets[name]
-        dest = param.data.narrow(0, start, rows)
+        dest = param.detach().narrow(0, start, rows)  # unlike .data, shares the version counter
         if tensor.shape != dest.shape:
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"but the config implies {tuple(dest.shape)}"
             )
-        with torch.no_grad():
-            param.narrow(0, start, rows).copy_(tensor)  # through the parameter: bumps its version
+        dest.copy_(tensor)  # bumps the parameter's version: packed weight copies are remade
         loaded.add(name)
     missing = sorted(targets.keys() - loaded)
     if missing:
