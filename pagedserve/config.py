@@ -41,10 +41,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        self.dtype = resolve_dtype(self.dtype, self.device)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.attention_backend = resolve_attention_backend(self.attention_backend, torch.device(self.device))
@@ -97,6 +94,15 @@ class EngineConfig:
     def check_max_model_len(self, model_max_len: int) -> None:
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context ({model_max_len})")
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """The model's dtype: "auto" is bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {name!r}")
+    return name
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

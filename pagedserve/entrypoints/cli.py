@@ -161,9 +161,27 @@ def format_report(m: dict) -> str:
     ])
 
 
+def save_report(out_dir: str | None, name: str, table: str, draw, json_path: str | None, data) -> None:
+    """A bench's outputs: `table` as OUT_DIR/NAME.md and draw(OUT_DIR/NAME.png) when out_dir is
+    given; `data` as JSON at json_path when given."""
+    if out_dir:
+        import os
+
+        os.makedirs(out_dir, exist_ok=True)
+        stem = os.path.join(out_dir, name)
+        with open(stem + ".md", "w") as f:
+            f.write(table + "\n")
+        draw(stem + ".png")
+        print(f"wrote {stem}.md and {stem}.png")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(data, f, indent=2)
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
     from pagedserve.bench.throughput import markdown_table, plot, run_throughput_bench
     from pagedserve.bench.workload import WORKLOADS
+    from pagedserve.config import resolve_dtype
 
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
     print(workload.describe())
@@ -172,24 +190,14 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python, hf_model_dir=args.hf_model_dir,
         engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                        "kv_cache_memory_bytes": args.kv_cache_memory_bytes},
-        device=args.device, model=args.model,
-        dtype=args.dtype if args.dtype != "auto" else "bfloat16" if args.device.startswith("cuda") else "float32")
+        device=args.device, model=args.model, dtype=resolve_dtype(args.dtype, args.device))
     table = markdown_table(workload, results)
     if args.device == "cpu" and args.model is None and any(r.system == "pagedserve" and not r.skipped for r in results):
         table += "\n\n" + ceiling_note(results)
     print(table)
-    if args.out_dir:
-        import os
-
-        os.makedirs(args.out_dir, exist_ok=True)
-        stem = os.path.join(args.out_dir, f"bench_throughput_{workload.name}")
-        with open(stem + ".md", "w") as f:
-            f.write(table + "\n")
-        plot(results, f"{workload.describe()}", stem + ".png")
-        print(f"wrote {stem}.md and {stem}.png")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"workload": workload.describe(), "results": [r.summary() for r in results]}, f, indent=2)
+    save_report(args.out_dir, f"bench_throughput_{workload.name}", table,
+                lambda png: plot(results, workload.describe(), png),
+                args.json, {"workload": workload.describe(), "results": [r.summary() for r in results]})
 
 
 def ceiling_note(results) -> str:
@@ -220,18 +228,7 @@ def cmd_bench_profile(args: argparse.Namespace) -> None:
     report = run_profile_bench(batches=tuple(args.batches), steps=args.steps, torch_profile=args.torch_profile)
     table = format_table(report)
     print(table)
-    if args.out_dir:
-        import os
-
-        os.makedirs(args.out_dir, exist_ok=True)
-        stem = os.path.join(args.out_dir, "bench_profile")
-        with open(stem + ".md", "w") as f:
-            f.write(table + "\n")
-        plot(report, stem + ".png")
-        print(f"wrote {stem}.md and {stem}.png")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    save_report(args.out_dir, "bench_profile", table, lambda png: plot(report, png), args.json, report)
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:
@@ -248,18 +245,8 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
         print(format_report(reports[-1]) + "\n")
     if len(reports) > 1:
         print(format_table(reports))
-    if args.out_dir:
-        import os
-
-        os.makedirs(args.out_dir, exist_ok=True)
-        stem = os.path.join(args.out_dir, "bench_serving")
-        with open(stem + ".md", "w") as f:
-            f.write(format_table(reports) + "\n")
-        plot(reports, stem + ".png")
-        print(f"wrote {stem}.md and {stem}.png")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(reports if len(reports) > 1 else reports[0], f, indent=2)
+    save_report(args.out_dir, "bench_serving", format_table(reports), lambda png: plot(reports, png),
+                args.json, reports if len(reports) > 1 else reports[0])
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.entrypoints.cli import build_parser, engine_kwargs
+from pagedserve.entrypoints.cli import build_parser, engine_kwargs, save_report
 from pagedserve.entrypoints.llm import LLM
 
 
@@ -40,3 +41,14 @@ def test_llm_rejects_an_unknown_engine_argument_before_loading():
 def test_kv_cache_settings_that_cannot_work_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(device="cpu", **settings)
+
+
+def test_a_bench_report_goes_where_its_flags_say(tmp_path, capsys):
+    drawn = []
+    save_report(str(tmp_path / "out"), "bench_x", "| a |", lambda png: drawn.append(png) or open(png, "wb").close(),
+                str(tmp_path / "x.json"), {"rate": 2.0})
+    assert (tmp_path / "out" / "bench_x.md").read_text() == "| a |\n"
+    assert drawn == [str(tmp_path / "out" / "bench_x.png")]
+    assert json.loads((tmp_path / "x.json").read_text()) == {"rate": 2.0}
+    save_report(None, "bench_y", "| b |", drawn.append, None, None)  # neither flag: nothing written or drawn
+    assert len(drawn) == 1 and not (tmp_path / "bench_y.md").exists()
