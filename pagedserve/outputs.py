@@ -23,7 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error", or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -39,6 +39,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)  # arrival / first token / finish times
+    error: str | None = None  # set when the engine failed on this request (finish_reason "error")
 
 
 @dataclass

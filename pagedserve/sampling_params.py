@@ -7,14 +7,31 @@ from dataclasses import dataclass
 
 # Below this temperature a request is sampled greedily (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
+# Every integer field ends up in an int64 tensor or a torch seed; every float one in float32.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
+class ParameterError(ValueError):
+    """A sampling parameter is invalid; `param` names it (the server's error body carries it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_int64(x: object) -> bool:
+    return _is_int(x) and INT64_MIN <= x <= INT64_MAX
+
+
 def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A number that float32 holds without overflowing (so neither NaN nor infinite)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and -FLOAT32_MAX <= x <= FLOAT32_MAX
 
 
 @dataclass
@@ -59,44 +76,61 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def fail(name: str, rule: str) -> None:
-            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+            raise ParameterError(name, f"{name} must be {rule}, got {getattr(self, name)!r}")
 
-        if not _is_int(self.n) or self.n < 1:
+        if not _is_int64(self.n) or self.n < 1:
             fail("n", "an int >= 1")
         # `not (lo <= x <= hi)` also rejects NaN.
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 fail(name, "a number in [-2, 2]")
-        if (not _is_real(self.repetition_penalty) or not self.repetition_penalty > 0
-                or math.isinf(self.repetition_penalty)):
+        # Positive and finite in float32: the penalty divides and multiplies float32 logits.
+        if not _is_real(self.repetition_penalty) or not self.repetition_penalty >= _FLOAT32_TINY:
             fail("repetition_penalty", "a finite number > 0")
-        if not _is_real(self.temperature) or not self.temperature >= 0 or math.isinf(self.temperature):
+        if not _is_real(self.temperature) or not self.temperature >= 0:
             fail("temperature", "a finite number >= 0")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             fail("top_p", "a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int64(self.top_k) or self.top_k < -1:
             fail("top_k", "an int >= 1, or 0 or -1 (disabled)")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "a number in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "an int or None")
+        if self.seed is not None and not _is_int64(self.seed):
+            fail("seed", "a 64-bit int or None")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "a non-empty string, a list of non-empty strings, or None")
         if not isinstance(self.stop_token_ids, list) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+                _is_int64(t) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative ints or None")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int64(self.max_tokens) or self.max_tokens < 1):
             fail("max_tokens", "an int >= 1 or None")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not _is_int64(self.min_tokens) or self.min_tokens < 0:
             fail("min_tokens", "an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and (not _is_int64(self.logprobs) or self.logprobs < 0):
             fail("logprobs", "an int >= 0 or None")
+
+    def verify_for_engine(self, vocab_size: int, max_num_seqs: int) -> None:
+        """The checks that need the engine: token ids and counts within the vocabulary, and no
+        more samples than can run at once (a request's samples run together)."""
+        def fail(name: str, rule: str) -> None:
+            raise ParameterError(name, f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        if self.top_k > vocab_size:
+            fail("top_k", f"<= the vocabulary size ({vocab_size}), or 0 or -1 (disabled)")
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ParameterError("stop_token_ids",
+                                 f"stop_token_ids: {bad} is out of range for a vocabulary of {vocab_size}")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            fail("logprobs", f"<= the vocabulary size ({vocab_size})")
+        if self.n > max_num_seqs:
+            fail("n", f"<= max_num_seqs ({max_num_seqs})")
 
     @property
     def is_greedy(self) -> bool:

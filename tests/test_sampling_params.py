@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import ParameterError, SamplingParams
 
 # vLLM's defaults (vllm.SamplingParams), after its normalisation of stop / stop_token_ids.
 VLLM_DEFAULTS = dict(
@@ -81,3 +81,46 @@ def test_replace_revalidates():
     assert dataclasses.replace(p, top_k=3).top_k == 3
     with pytest.raises(ValueError, match="top_k"):
         dataclasses.replace(p, top_k=-5)
+
+
+# Every integer ends up in an int64 tensor or a torch seed, every float in a float32 tensor: a value
+# that does not fit is refused here, before it can fail a batch that other requests share.
+@pytest.mark.parametrize("name, value", [
+    ("top_k", 2**63), ("top_k", 10**30), ("seed", 2**63), ("seed", -(2**63) - 1), ("n", 2**63),
+    ("max_tokens", 2**63), ("min_tokens", 2**63), ("logprobs", 2**63), ("stop_token_ids", [2**63]),
+    ("temperature", 1e39), ("repetition_penalty", 1e39), ("repetition_penalty", 1e-40),
+])
+def test_values_beyond_int64_or_float32_are_refused(name, value):
+    kwargs = {name: value} | ({"max_tokens": None} if name == "min_tokens" else {})
+    with pytest.raises(ParameterError, match=rf"^{name} must be ") as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == name
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(top_k=2**63 - 1), dict(seed=2**63 - 1), dict(seed=-(2**63)), dict(temperature=3.4e38),
+    dict(repetition_penalty=1.2e-38),
+])
+def test_the_extremes_that_fit_are_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(top_k=101), "top_k"), (dict(logprobs=101), "logprobs"), (dict(stop_token_ids=[3, 100]), "stop_token_ids"),
+    (dict(n=9), "n"),
+])
+def test_engine_limits_are_checked_against_the_model(kwargs, param):
+    params = SamplingParams(**kwargs)
+    with pytest.raises(ParameterError, match=param) as e:
+        params.verify_for_engine(vocab_size=100, max_num_seqs=8)
+    assert e.value.param == param
+    SamplingParams(top_k=100, logprobs=100, stop_token_ids=[99], n=8).verify_for_engine(vocab_size=100, max_num_seqs=8)
+
+
+def test_every_validation_error_names_its_parameter():
+    with pytest.raises(ParameterError) as e:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert e.value.param == "min_tokens"
+    with pytest.raises(ParameterError) as e:
+        SamplingParams(stop=[""])
+    assert e.value.param == "stop"

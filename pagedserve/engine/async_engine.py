@@ -123,6 +123,10 @@ class AsyncLLMEngine:
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.max_num_seqs
+
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -221,7 +225,8 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # Fail what is in flight, free its blocks, keep serving.
+            # The engine could not pin the fault on a request (it fails those itself): fail what
+            # is in flight, free its blocks, keep serving.
             logger.exception("engine step failed; failing %d request(s)", len(self._entries))
             return self._fail_all(EngineError(f"the engine failed while running this request: {e!r}"))
         deliveries = []
@@ -234,6 +239,11 @@ class AsyncLLMEngine:
             num_tokens = sum(len(o.token_ids) for o in output.outputs)
             self._num_generation_tokens += num_tokens - entry.num_output_tokens
             entry.num_output_tokens = num_tokens
+            if output.error is not None:  # the engine failed on this request alone
+                del self._entries[output.request_id]
+                self._finished["error"] += entry.num_seqs
+                deliveries.append((entry.stream, EngineError(output.error)))
+                continue
             if output.finished:
                 del self._entries[output.request_id]
                 self._finished.update(o.finish_reason for o in output.outputs)

@@ -70,7 +70,12 @@ class BeamSearch:
         return cum_logprob / max(generated, 1) ** self.params.length_penalty
 
     def advance(self) -> None:
-        if self.done or any(b.request.beam_candidates is None for b in self.live):
+        if self.done:
+            return
+        failed = next((b.request for b in self.live if b.request.status is RequestStatus.FINISHED_ERROR), None)
+        if failed is not None:
+            raise RuntimeError(f"the engine failed on a beam of this search ({failed.request_id})")
+        if any(b.request.beam_candidates is None for b in self.live):
             return
         candidates = []
         for beam in self.live:
@@ -130,9 +135,12 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) 
     searches = [BeamSearch(engine, prompt, params) for prompt in prompts]
     try:
         while not all(s.done for s in searches):
+            steps_before = engine.stats.num_steps, [s.num_steps for s in searches]
             engine.step()
             for search in searches:
                 search.advance()
+            if (engine.stats.num_steps, [s.num_steps for s in searches]) == steps_before:
+                raise RuntimeError("beam search made no progress: the engine ran nothing and no search advanced")
     except BaseException:
         for search in searches:
             for beam in search.live:

@@ -8,9 +8,10 @@ stop conditions and frees what finished.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,11 +19,39 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.sampler import Sampler, SamplingBatch
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.kv import KVCacheManager, KVCacheStats
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepResult:
+    """What a step computed, before it is applied."""
+
+    samplers: list[Request]  # the requests that take a token this step
+    beam_candidates: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)  # by samplers index
+    sampled_rows: list[int] = field(default_factory=list)  # samplers indices the sampler picked for
+    sampled: SamplerOutput | None = None  # aligned with sampled_rows
+
+
+def find_culprits(rows: list[int], error: Exception,
+                  fails: Callable[[list[int]], Exception | None]) -> dict[int, Exception]:
+    """`rows` fail together with `error`; `fails(part)` runs a part alone and returns its error.
+    Bisect down to the rows that fail alone, each with its error. Rows that fail only together
+    (no smaller part fails) are all returned: the fault cannot be pinned on fewer."""
+    if len(rows) == 1:
+        return {rows[0]: error}
+    half = len(rows) // 2
+    culprits: dict[int, Exception] = {}
+    for part in (rows[:half], rows[half:]):
+        part_error = fails(part)
+        if part_error is not None:
+            culprits.update(find_culprits(part, part_error, fails))
+    return culprits or dict.fromkeys(rows, error)
 
 
 @dataclass
@@ -87,13 +116,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        params.verify_for_engine(self.model_config.vocab_size, self.scheduler.max_num_seqs)
         text, token_ids = self.tokenize(prompt)
         prompt_text = prompt_text if prompt_text is not None else text
         self.validate_prompt(token_ids)
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: {bad} is out of range for a vocabulary of {vocab}")
         samples = []
         for i in range(params.n):
             generator = None
@@ -120,16 +146,13 @@ class LLMEngine:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, longer than max_model_len "
                              f"({self.max_model_len})")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {vocab}")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request at once, whatever its state, and free everything it holds."""
-        for request in self._groups.pop(request_id, []):
-            if not request.is_finished:
-                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-            self._pending_forks.pop(request.request_id, None)
+        self._end_group(self._groups.pop(request_id, []), RequestStatus.FINISHED_ABORTED)
         self._prompts.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -142,54 +165,156 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the outputs of every user request that advanced or finished."""
+        """Run one step; return the outputs of every user request that advanced or finished.
+
+        A step that raises is contained: see `_contain_fault`."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.requests:
             return []
-        # Who samples: every request whose last known token runs now, plus the samples that
-        # fork from it when it is a first sample producing its first token.
-        rows, samplers, forks = [], [], []
+        rows, samplers = self._samplers(plan)
+        # The generators this step may draw from, to replay it exactly after a fault.
+        states = [(r.generator, r.generator.get_state()) for r in samplers
+                  if r.generator is not None and not r.sampling_params.is_greedy]
+        try:
+            result = self._compute(plan, rows, samplers)
+        except Exception as error:
+            result, failed = self._contain_fault(plan, states, error)
+            if result is None:
+                self._record_step(time.perf_counter() - start)
+                return [output for request, message in failed if (output := self._fail(request, message))]
+        outputs = self._commit(plan, result)
+        self._record_step(time.perf_counter() - start)
+        return outputs
+
+    def _samplers(self, plan: SchedulerOutput) -> tuple[list[int], list[Request]]:
+        """Who samples this step, and from which plan row: every request whose last known token
+        runs now, plus the samples that fork from it when it is a first sample producing its
+        first token."""
+        rows, samplers = [], []
         for i, (request, n) in enumerate(zip(plan.requests, plan.num_new_tokens)):
             if request.num_computed_tokens + n < request.num_tokens:
                 continue  # a prefill chunk with more to come
-            rows.append(i)
-            samplers.append(request)
-            children = self._pending_forks.pop(request.request_id, [])
-            for child in children:
+            for sampler in (request, *self._pending_forks.get(request.request_id, ())):
                 rows.append(i)
-                samplers.append(child)
-                forks.append((request, child))
-        logits = self.runner.execute(plan, rows)
-        self.scheduler.finish_step(plan)
-        for parent, child in forks:
-            self.scheduler.fork(parent, child)
+                samplers.append(sampler)
+        return rows, samplers
 
-        touched: dict[str, None] = {}
+    def _compute(self, plan: SchedulerOutput, rows: list[int], samplers: list[Request]) -> _StepResult:
+        """The part of a step that can fail: the forward pass and sampling. It changes no
+        request: only the K/V slots the plan reserved and the draws of the rows' generators."""
+        logits = self.runner.execute(plan, rows)
+        result = _StepResult(samplers)
         beam_rows = [j for j, r in enumerate(samplers) if r.beam_width]
         if beam_rows:
-            self._store_beam_candidates(logits, samplers, beam_rows)
-            keep = [j for j, r in enumerate(samplers) if not r.beam_width]
-            logits, samplers = logits[keep], [samplers[j] for j in keep]
-        if samplers:
+            result.beam_candidates = self._beam_candidates(logits, samplers, beam_rows)
+        result.sampled_rows = [j for j, r in enumerate(samplers) if not r.beam_width]
+        if result.sampled_rows:
+            picked = [samplers[j] for j in result.sampled_rows]
             batch = SamplingBatch.build(
-                [r.sampling_params for r in samplers], [r.prompt_token_ids for r in samplers],
-                [r.output_token_ids for r in samplers], [r.generator for r in samplers],
+                [r.sampling_params for r in picked], [r.prompt_token_ids for r in picked],
+                [r.output_token_ids for r in picked], [r.generator for r in picked],
                 self.eos_token_ids, logits.device)
-            sampled = self.sampler(logits, batch)
-            now = time.monotonic()
-            for j, request in enumerate(samplers):
-                self._append_token(request, sampled, j, now)
-                touched[request.group_id] = None
-        self._record_step(time.perf_counter() - start)
-        return [self._make_output(group_id) for group_id in touched]
+            result.sampled = self.sampler(logits[result.sampled_rows] if beam_rows else logits, batch)
+        return result
 
     @staticmethod
-    def _store_beam_candidates(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+    def _beam_candidates(logits: torch.Tensor, requests: list[Request],
+                         rows: list[int]) -> dict[int, tuple[list[float], list[int]]]:
+        """Each beam row's top 2 * beam_width (logprobs, tokens), by its index in `requests`."""
         logprobs = torch.log_softmax(logits[rows], dim=-1)
+        candidates = {}
         for row, j in zip(logprobs, rows):
             values, tokens = row.topk(2 * requests[j].beam_width)
-            requests[j].beam_candidates = (values.tolist(), tokens.tolist())
+            candidates[j] = (values.tolist(), tokens.tolist())
+        return candidates
+
+    def _commit(self, plan: SchedulerOutput, result: _StepResult) -> list[RequestOutput]:
+        """Apply a computed step: the tokens are in the cache, forks start, tokens are appended."""
+        self.scheduler.finish_step(plan)
+        for request in result.samplers:
+            for child in self._pending_forks.pop(request.request_id, ()):
+                self.scheduler.fork(request, child)
+        for j, candidates in result.beam_candidates.items():
+            result.samplers[j].beam_candidates = candidates
+        touched: dict[str, None] = {}
+        outputs = []
+        now = time.monotonic()
+        for k, j in enumerate(result.sampled_rows):
+            request = result.samplers[j]
+            if request.is_finished:
+                continue  # its group failed on an earlier row
+            try:
+                self._append_token(request, result.sampled, k, now)
+            except Exception as e:  # e.g. in its detokenizer: only its own group ends
+                logger.exception("request %s failed while taking its token", request.group_id)
+                touched.pop(request.group_id, None)
+                if output := self._fail(request, f"the engine failed on this request: {e!r}"):
+                    outputs.append(output)
+                continue
+            touched[request.group_id] = None
+        return [self._make_output(group_id) for group_id in touched] + outputs
+
+    # ---- faults --------------------------------------------------------------------------
+
+    def _contain_fault(self, plan: SchedulerOutput, states: list[tuple[torch.Generator, torch.Tensor]],
+                       error: Exception) -> tuple[_StepResult | None, list[tuple[Request, str]]]:
+        """A step raised. Run it once more (a transient fault passes, and its result is used);
+        if it fails again, find the requests that make it fail by bisecting the plan, undo the
+        step (every request in it is recomputed later, the prefix blocks it was to fill are
+        forgotten) and fail only those requests. Returns (a result to commit, or None; the
+        requests to fail with their messages)."""
+        logger.warning("engine step failed (%r); running it again to find the request at fault", error)
+        self._restore_generators(states)
+        try:
+            return self._compute(plan, *self._samplers(plan)), []
+        except Exception as again:
+            error = again
+
+        def fails(rows: list[int]) -> Exception | None:
+            part = plan.subset(rows)
+            self._restore_generators(states)
+            try:
+                self._compute(part, *self._samplers(part))
+            except Exception as e:
+                return e
+            return None
+
+        culprits = find_culprits(list(range(len(plan.requests))), error, fails)
+        self._restore_generators(states)
+        self.scheduler.undo_step(plan)
+        failed = []
+        for i, e in culprits.items():
+            request = plan.requests[i]
+            logger.error("request %s makes the engine fail; failing it alone", request.group_id,
+                         exc_info=(type(e), e, e.__traceback__))
+            failed.append((request, f"the engine failed on this request: {e!r}"))
+        return None, failed
+
+    @staticmethod
+    def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for generator, state in states:
+            generator.set_state(state)
+
+    def _fail(self, request: Request, message: str) -> RequestOutput | None:
+        """End the request's whole group with an error; its final output, carrying `message`
+        (None for a beam, whose search sees the status, or a group ended already)."""
+        group_id = request.group_id
+        if group_id not in self._groups:
+            if not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            return None
+        self._end_group(self._groups[group_id], RequestStatus.FINISHED_ERROR)
+        output = self._make_output(group_id)
+        output.error = message
+        return output
+
+    def _end_group(self, samples: list[Request], status: RequestStatus) -> None:
+        """End every sample of a group, whatever its state, and free what it holds."""
+        for request in samples:
+            if not request.is_finished:
+                self.scheduler.finish(request, status)
+            self._pending_forks.pop(request.request_id, None)
 
     def _append_token(self, request: Request, sampled, j: int, now: float) -> None:
         token = sampled.token_ids[j]
@@ -250,7 +375,7 @@ class LLMEngine:
                 for r in samples
             ],
             finished=finished,
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens or 0,
             metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
                      "finish_time": max((r.finish_time or 0.0) for r in samples) if finished else None},
         )

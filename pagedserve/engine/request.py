@@ -22,6 +22,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step failed because of this request
 
     @property
     def finished(self) -> bool:
@@ -49,7 +50,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
-        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at first admission
+        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -39,6 +39,13 @@ class SchedulerOutput:
         self.num_new_tokens.append(num_new_tokens)
         self.block_tables.append(block_table)
 
+    def subset(self, rows: list[int]) -> SchedulerOutput:
+        """The plan of these requests alone (every block copy kept: copying again is harmless)."""
+        part = SchedulerOutput(block_copies=self.block_copies)
+        for i in rows:
+            part.add(self.requests[i], self.num_new_tokens[i], self.block_tables[i])
+        return part
+
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -67,11 +74,14 @@ class Scheduler:
                 continue
             copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
             while copies is None:
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
+                if self._park_idle_beam():
+                    i = self.running.index(request)  # a parked beam before it shifts it left
+                else:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is request:
+                        break
                 copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
             if copies is None:
                 break  # the request itself was the newest and is now waiting
@@ -80,13 +90,17 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not out.preempted and self.waiting and budget > 0:
+            if len(self.running) >= self.max_num_seqs and not self._park_idle_beam():
+                break
             request = self.waiting[0]
             num_cached = self.kv.admit(request.request_id, request.all_token_ids, num_new_tokens=budget)
             if num_cached is None:
+                if self._park_idle_beam():
+                    continue
                 break  # not enough free blocks: keep arrival order, try again next step
             self.waiting.popleft()
-            if request.num_preemptions == 0:
+            if request.num_cached_tokens is None:  # its first admission
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -100,9 +114,27 @@ class Scheduler:
         """The step ran: the scheduled tokens now have their K/V in the cache."""
         for request, n in zip(out.requests, out.num_new_tokens):
             request.num_computed_tokens += n
+        self.kv.confirm_cached()
+
+    def undo_step(self, out: SchedulerOutput) -> None:
+        """The step failed: forget the prefix blocks it was to fill, and send every request it
+        ran back to the front of the queue, in order, to be computed again from scratch (as a
+        preempted request is; the prefix cache still holds what earlier steps computed)."""
+        self.kv.discard_unconfirmed()
+        for request in reversed(out.requests):
+            self.running.remove(request)
+            self.kv.free(request.request_id)
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Start `child` as a running copy of `parent`, sharing all of its blocks."""
+        """Start `child` as a running copy of `parent`, sharing all of its blocks; or, if the
+        parent is a parked beam (it holds no blocks), queue the child first, to be computed
+        (mostly from the prefix cache)."""
+        if parent.request_id not in self.kv:
+            self.waiting.appendleft(child)
+            return
         self.kv.fork(parent.request_id, child.request_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
@@ -125,4 +157,18 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if request.beam_candidates is None:
+            self.waiting.appendleft(request)
+        # else a beam whose next tokens are known is parked, in no queue: it needs no more
+        # compute, and its search will either end it or fork children from it (see `fork`).
+
+    def _park_idle_beam(self) -> bool:
+        """Preempt the newest running beam that waits for its search to pick its next token.
+        Such beams hold blocks and seats but cannot advance until every beam of their search
+        has its candidates: without parking them, a search whose beams do not all fit at once
+        would wait forever."""
+        idle = next((r for r in reversed(self.running) if r.beam_candidates is not None), None)
+        if idle is None:
+            return False
+        self._preempt(idle)
+        return True

@@ -150,16 +150,25 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
-    def cache(self, block: Block, block_hash: bytes) -> None:
-        """Make a full, in-use block findable by its content hash.
+    def cache(self, block: Block, block_hash: bytes) -> bool:
+        """Make a full, in-use block findable by its content hash; True if it now is.
 
         If another block already holds the same content, the first one stays the cached copy
         and `block` remains private: it is simply not findable.
         """
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
+
+    def uncache(self, block: Block) -> None:
+        """Make a block unfindable again (its content is not what its hash says)."""
+        if block.ref_count == 0 and block.block_hash is not None:
+            # A free block holding nothing reusable moves to the head of the queue.
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+        self._forget(block)
 
     def reset_cache(self) -> bool:
         """Forget every cached prefix; only when no block is in use (False, and nothing done, if one is)."""

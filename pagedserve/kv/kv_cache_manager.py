@@ -84,6 +84,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._tables: dict[RequestId, _Table] = {}
+        # Blocks made findable since the last `confirm_cached()`: their hashes are registered
+        # when a step is planned, before the forward pass writes their K/V.
+        self._unconfirmed: list[Block] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.cow_copies = 0
@@ -223,6 +226,18 @@ class KVCacheManager:
         if table is not None:
             self.pool.release(reversed(table.blocks))
 
+    def confirm_cached(self) -> None:
+        """The step that fills the blocks cached since the last call has written their K/V."""
+        self._unconfirmed.clear()
+
+    def discard_unconfirmed(self) -> None:
+        """That step failed: the blocks cached since the last `confirm_cached()` may hold
+        anything, so no later request may hit them. (Call before freeing their tables, so that
+        they go back to the free queue as holding nothing reusable.)"""
+        for block in self._unconfirmed:
+            self.pool.uncache(block)
+        self._unconfirmed.clear()
+
     # ---- internals -----------------------------------------------------------------------
 
     def _needs_copy_on_write(self, table: _Table) -> bool:
@@ -240,7 +255,8 @@ class KVCacheManager:
             parent = table.hashes[-1] if table.hashes else None
             block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs], table.extra_keys)
             table.hashes.append(block_hash)
-            self.pool.cache(table.blocks[i], block_hash)
+            if self.pool.cache(table.blocks[i], block_hash):
+                self._unconfirmed.append(table.blocks[i])
 
     # ---- figures -------------------------------------------------------------------------
 

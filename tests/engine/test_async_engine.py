@@ -142,31 +142,53 @@ def test_a_refused_request_raises_and_the_others_carry_on(async_engine, referenc
     assert outputs[-1].outputs[0].token_ids == reference[PROMPTS[2]]
 
 
-def test_an_engine_fault_fails_the_requests_in_flight_and_the_loop_carries_on(async_engine, engine, reference):
-    real_sampler = engine.sampler
+def run_with_faulty(engine, async_engine, name, fail_on, prompts):
+    """Run `prompts` concurrently while `engine.<name>` raises on the calls `fail_on(call)` picks."""
+    real = getattr(engine, name)
     calls = 0
 
     def faulty(*args):
         nonlocal calls
         calls += 1
-        if calls == 3:
+        if fail_on(calls):
             raise RuntimeError("injected fault")
-        return real_sampler(*args)
+        return real(*args)
 
-    engine.sampler = faulty
+    setattr(engine, name, faulty)
     try:
         async def main():
-            return await asyncio.gather(*(collect(async_engine, p) for p in PROMPTS[:3]), return_exceptions=True)
+            return await asyncio.gather(*(collect(async_engine, p) for p in prompts), return_exceptions=True)
 
-        results = asyncio.run(main())
+        return asyncio.run(main())
     finally:
-        engine.sampler = real_sampler
+        setattr(engine, name, real)
+
+
+def test_a_transient_fault_is_retried_and_nobody_notices(async_engine, engine, reference):
+    results = run_with_faulty(engine, async_engine, "sampler", lambda call: call == 3, PROMPTS[:3])
+    assert [r[-1].outputs[0].token_ids for r in results] == [reference[p] for p in PROMPTS[:3]]
+    assert async_engine.stats.finished == {"length": 3}
+
+
+def test_a_fault_that_no_request_causes_alone_fails_them_all_and_the_loop_carries_on(async_engine, engine,
+                                                                                       reference):
+    results = run_with_faulty(engine, async_engine, "sampler", lambda call: True, PROMPTS[:3])
     assert all(isinstance(r, EngineError) and "injected fault" in str(r) for r in results)
     assert async_engine.stats.finished == {"error": 3}
     assert async_engine.stats.kv.used_blocks == 0  # their blocks were freed
     assert async_engine.is_running
     outputs = asyncio.run(collect(async_engine, PROMPTS[0]))
     assert outputs[-1].outputs[0].token_ids == reference[PROMPTS[0]]
+
+
+def test_a_fault_outside_the_step_fails_the_requests_in_flight(async_engine, engine, reference):
+    # The scheduler itself failing: the engine cannot contain it, the async loop fails everyone.
+    results = run_with_faulty(engine.scheduler, async_engine, "schedule", lambda call: call == 3, PROMPTS[:3])
+    assert all(isinstance(r, EngineError) and "injected fault" in str(r) for r in results)
+    assert async_engine.stats.finished == {"error": 3}
+    assert async_engine.stats.kv.used_blocks == 0
+    outputs = asyncio.run(collect(async_engine, PROMPTS[1]))
+    assert outputs[-1].outputs[0].token_ids == reference[PROMPTS[1]]
 
 
 def test_the_loop_sleeps_while_idle_and_wakes_for_a_request(async_engine, engine):

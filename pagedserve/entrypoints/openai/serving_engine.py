@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ResponseModel, SamplingRequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import ParameterError, SamplingParams
 
 T = TypeVar("T")
 # One prompt as the engine takes it: (its text when known, its token ids).
@@ -97,15 +97,13 @@ class OpenAIServing:
                 "the completion). Please reduce the length of the messages or completion.", param)
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams, checked against the model too, so that every bad value
+        is a 400 naming its field before the engine sees it."""
         try:
             params = request.to_sampling_params(max_tokens, logprobs)
-        except ValueError as e:
-            raise bad_request(str(e)) from e
-        # The sampler indexes logits by these ids: out of the vocabulary is the client's mistake.
-        bad = next((t for t in params.stop_token_ids if t >= self.engine.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"stop token id {bad} is out of range for a vocabulary of {self.engine.vocab_size}",
-                              "stop_token_ids")
+            params.verify_for_engine(self.engine.vocab_size, self.engine.max_num_seqs)
+        except ParameterError as e:
+            raise bad_request(str(e), e.param) from e
         return params
 
     async def generate(self, prompts: list[Prompt], params: SamplingParams, request_id: str,
@@ -118,8 +116,8 @@ class OpenAIServing:
             try:
                 async for item in outputs:
                     yield item
-            except ValueError as e:  # the engine refused a prompt
-                raise bad_request(str(e), param) from e
+            except ValueError as e:  # the engine refused a prompt (or, named, a parameter)
+                raise bad_request(str(e), getattr(e, "param", param)) from e
             except EngineError as e:
                 raise server_error(str(e)) from e
 

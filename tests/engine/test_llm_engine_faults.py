@@ -1,0 +1,260 @@
+"""A fault stays with the request that caused it: a step that raises is retried, bisected down to
+the request at fault, undone, and only that request ends (finish_reason "error"); the others get
+exactly the tokens they get without it, the prefix cache keeps nothing the failed step was to
+write, and every block is free afterwards."""
+
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.beam_search import BeamSearchParams
+from pagedserve.engine.llm_engine import LLMEngine, find_culprits
+from pagedserve.entrypoints.llm import LLM
+from pagedserve.models.loader import load_model
+from pagedserve.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fibonacci(n):",
+           "The best way to learn a language is", "Water boils at", "My favourite colour is", "Dear Sir,"]
+# Innocent neighbours: greedy, and seeded sampling (its draws must be replayed exactly after a fault).
+INNOCENT = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True) if i % 2 else
+            SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True)
+            for i in range(len(PROMPTS))]
+
+
+def make_llm(embedded_model, embedded_tokenizer, **overrides) -> LLM:
+    config = EngineConfig(**(dict(num_kv_blocks=256, max_model_len=1024) | overrides))
+    return LLM.from_engine(LLMEngine(config, model=embedded_model, tokenizer=embedded_tokenizer))
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def texts(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def alone(embedded_model, embedded_tokenizer) -> list[list[int]]:
+    """The innocents' tokens with no faulty request beside them."""
+    return texts(make_llm(embedded_model, embedded_tokenizer).generate(PROMPTS, INNOCENT, use_tqdm=False))
+
+
+# ---- finding the culprits ----------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 64), data=st.data())
+def test_bisection_finds_exactly_the_rows_that_fail_alone(n, data):
+    culprits = data.draw(st.sets(st.integers(0, n - 1), min_size=1))
+    probes = []
+
+    def fails(rows):
+        probes.append(rows)
+        bad = [r for r in rows if r in culprits]
+        return ValueError(bad[0]) if bad else None
+
+    found = find_culprits(list(range(n)), ValueError(min(culprits)), fails)
+    assert set(found) == culprits
+    assert all(str(e) == str(r) for r, e in found.items())  # each with its own error
+    assert len(probes) <= 2 * len(culprits) * max(1, (n - 1).bit_length())
+
+
+@given(n=st.integers(2, 64), data=st.data())
+def test_rows_that_fail_only_together_are_blamed_together(n, data):
+    a, b = data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
+    found = find_culprits(list(range(n)), RuntimeError("both"),
+                          lambda rows: RuntimeError("both") if a in rows and b in rows else None)
+    assert {a, b} <= set(found)
+    assert sorted(found) == list(range(min(found), max(found) + 1))  # the smallest part holding both
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+
+def unvalidated(**fields) -> SamplingParams:
+    """Params holding values validation refuses (as a bug elsewhere might let through)."""
+    params = SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True)
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize("bad", [
+    unvalidated(top_k=2**63),  # torch.tensor: "Overflow when unpacking long long"
+    unvalidated(temperature=0.0, logprobs=-5),  # topk with a negative k
+    unvalidated(n=1, min_tokens=3, stop_token_ids=[10**12]),  # index_put out of the vocabulary
+], ids=["top_k", "logprobs", "stop_token_ids"])
+def test_a_request_that_breaks_sampling_fails_alone(embedded_model, embedded_tokenizer, alone, bad):
+    llm = make_llm(embedded_model, embedded_tokenizer)
+    engine = llm.llm_engine
+    for i, (prompt, params) in enumerate(zip(PROMPTS, INNOCENT)):
+        engine.add_request(f"ok{i}", prompt, params)
+        if i == 3:
+            engine.add_request("bad", "Tell me a story", SamplingParams(max_tokens=2))
+            engine._groups["bad"][0].sampling_params = bad  # past add_request's validation
+    finished = run(engine)
+    assert finished["bad"].outputs[0].finish_reason == "error" and finished["bad"].error
+    assert [finished[f"ok{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == alone
+    assert all(finished[f"ok{i}"].error is None for i in range(len(PROMPTS)))
+    assert_all_free(engine)
+
+
+def run(engine: LLMEngine) -> dict:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                assert output.request_id not in finished
+                finished[output.request_id] = output
+    return finished
+
+
+def test_the_offline_api_returns_the_failed_request_with_its_error(embedded_model, embedded_tokenizer, alone):
+    llm = make_llm(embedded_model, embedded_tokenizer)
+    poison = embedded_tokenizer.encode(" zebra")[0]
+    bad = {"prompt_token_ids": embedded_tokenizer.encode("Tell me about the") + [poison]}
+    with forward_fails_for(embedded_model[0], poison):
+        outputs = llm.generate(PROMPTS[:4] + [bad] + PROMPTS[4:], INNOCENT[:4] + [INNOCENT[1]] + INNOCENT[4:],
+                               use_tqdm=False)
+    assert outputs[4].outputs[0].finish_reason == "error" and "injected fault" in outputs[4].error
+    assert texts(outputs[:4] + outputs[5:]) == alone
+    assert_all_free(llm.llm_engine)
+
+
+def test_parallel_samples_of_a_failing_request_end_together(embedded_model, embedded_tokenizer, alone):
+    llm = make_llm(embedded_model, embedded_tokenizer)
+    engine = llm.llm_engine
+    engine.add_request("ok", PROMPTS[1], INNOCENT[1])
+    engine.add_request("bad", PROMPTS[2], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1))
+    for _ in range(3):  # the samples have forked and run
+        engine.step()
+    engine._groups["bad"][2].sampling_params = unvalidated(top_k=2**63)
+    finished = run(engine)
+    assert [o.finish_reason for o in finished["bad"].outputs] == ["error"] * 3
+    assert finished["ok"].outputs[0].token_ids == alone[1]
+    assert_all_free(engine)
+
+
+@contextmanager
+def forward_fails_for(model, token: int, layer: int = 10):
+    """The model raises at `layer` (after the layers below it wrote their K/V) in every forward
+    pass whose input holds `token`."""
+    armed = {"now": False}
+    real_forward = model.forward
+
+    def forward(input_ids, *args, **kwargs):
+        armed["now"] = bool((input_ids == token).any())
+        return real_forward(input_ids, *args, **kwargs)
+
+    def hook(module, args):
+        if armed["now"]:
+            raise RuntimeError("injected fault in the forward pass")
+
+    model.forward = forward
+    handle = model.model.layers[layer].register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+        del model.forward
+
+
+def test_a_failed_forward_leaves_nothing_in_the_prefix_cache(embedded_model, embedded_tokenizer, alone):
+    model, tokenizer = embedded_model[0], embedded_tokenizer
+    llm = make_llm(embedded_model, embedded_tokenizer)
+    engine = llm.llm_engine
+    # Five full blocks, then the token that trips the fault: the blocks are hashed when the step is
+    # planned, and layers 0-9 of them written before the fault.
+    prompt = tokenizer.encode("Paged attention stores keys and values in fixed-size blocks. " * 8)[:80]
+    poison = tokenizer.encode(" zebra")[0]
+    assert poison not in prompt and all(poison not in tokenizer.encode(p) for p in PROMPTS)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with forward_fails_for(model, poison):
+        for i, (p, params) in enumerate(zip(PROMPTS, INNOCENT)):
+            engine.add_request(f"ok{i}", p, params)
+        engine.add_request("bad", prompt + [poison], greedy)
+        finished = run(engine)
+    assert "injected fault" in finished["bad"].error
+    assert [finished[f"ok{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == alone
+    assert_all_free(engine)
+    # The same prompt again, fault gone: it must compute those blocks, not hit them.
+    again = llm.generate([{"prompt_token_ids": prompt + [poison]}], greedy, use_tqdm=False)[0]
+    fresh = make_llm(embedded_model, embedded_tokenizer).generate(
+        [{"prompt_token_ids": prompt + [poison]}], greedy, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert again.num_cached_tokens == 0
+
+
+def test_a_request_whose_token_handling_fails_ends_alone(embedded_model, embedded_tokenizer, alone):
+    llm = make_llm(embedded_model, embedded_tokenizer)
+    engine = llm.llm_engine
+    for i, (prompt, params) in enumerate(zip(PROMPTS, INNOCENT)):
+        engine.add_request(f"ok{i}", prompt, params)
+    engine.add_request("bad", "Hello", SamplingParams(max_tokens=8, temperature=0.0))
+
+    def broken(token_ids):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    engine._groups["bad"][0].detokenizer.add_tokens = broken
+    finished = run(engine)
+    assert finished["bad"].outputs[0].finish_reason == "error" and "injected" in finished["bad"].error
+    assert [finished[f"ok{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == alone
+    assert_all_free(engine)
+
+
+# ---- beam search -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_checkpoint):
+    path, hf_model = tiny_checkpoint("llama")
+    return load_model(str(path)), hf_model
+
+
+def beam_llm(tiny_llama, tokenizer, num_kv_blocks: int, **overrides) -> LLM:
+    config = EngineConfig(**(dict(num_kv_blocks=num_kv_blocks, block_size=4, max_model_len=24) | overrides))
+    return LLM.from_engine(LLMEngine(config, model=tiny_llama[0], tokenizer=tokenizer))
+
+
+# Pools too small for every beam at once (these livelocked: beams waiting for their search held
+# the blocks their siblings needed), and a preempted beam whose next tokens were already known.
+TIGHT_BEAMS = [
+    (6, 16, 2, [[74, 56, 24, 103, 33, 3, 31, 123], [86, 22]]),
+    (7, 4, 4, [[96, 84], [42, 121, 41, 89, 125, 97, 113], [42, 104, 52, 64, 40, 89, 18, 77], [94, 16]]),
+    (8, 8, 3, [[39, 113, 62, 62, 92, 74], [92, 62, 51, 13, 96]]),
+    (10, 2048, 4, [[5, 17, 33, 8, 90, 61, 12], [44, 3, 101], [7, 7, 9, 120, 1, 64]]),
+]
+
+
+@pytest.mark.parametrize(("num_blocks", "budget", "width", "prompts"), TIGHT_BEAMS)
+def test_beam_search_in_a_pool_too_small_for_all_its_beams(tiny_llama, embedded_tokenizer, num_blocks, budget,
+                                                           width, prompts):
+    params = BeamSearchParams(beam_width=width, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in prompts]
+    roomy = beam_llm(tiny_llama, embedded_tokenizer, 256).beam_search(prompts, params)
+    tight = beam_llm(tiny_llama, embedded_tokenizer, num_blocks, max_num_batched_tokens=budget)
+    outputs = tight.beam_search(prompts, params)
+    assert tight.llm_engine.num_preemptions > 0
+    assert [[s.tokens for s in o.sequences] for o in outputs] == [[s.tokens for s in o.sequences] for o in roomy]
+    assert_all_free(tight.llm_engine)
+
+
+def test_a_beam_that_breaks_the_step_fails_its_search_cleanly(tiny_llama, embedded_tokenizer):
+    llm = beam_llm(tiny_llama, embedded_tokenizer, 64)
+    engine = llm.llm_engine
+    real = engine.runner.execute
+
+    def execute(plan, rows):
+        if any(r.beam_width and r.num_tokens > 9 for r in plan.requests):
+            raise RuntimeError("injected fault")
+        return real(plan, rows)
+
+    engine.runner.execute = execute
+    with pytest.raises(RuntimeError, match="failed on a beam"):
+        llm.beam_search([{"prompt_token_ids": TIGHT_BEAMS[3][3][0]}], BeamSearchParams(beam_width=2, max_tokens=8))
+    assert_all_free(engine)
