@@ -106,8 +106,12 @@ class LLMEngine:
         return str(next(self._request_counter))
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(the text, its token ids), or (None, the ids) for token ids. Text that is not valid
+        Unicode is a ValueError saying where, not a TypeError from inside the tokenizer."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            from pagedserve.text import check_unicode
+
+            return prompt, self.tokenizer.encode(check_unicode(prompt, "the prompt"))
         return None, list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
 from tqdm.auto import tqdm
@@ -13,6 +13,7 @@ from pagedserve.engine.beam_search import BeamSearchParams, run_beam_search
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.text import check_unicode
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
 PromptType = Union[str, list[int], dict]
@@ -46,13 +47,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. A wrong argument is a
+        ValueError naming it (and the item of a list) before anything runs."""
         prompts = _as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        params = _sampling_params_list(sampling_params, len(prompts))
         engine = self.llm_engine
         ids = []
         try:
@@ -75,8 +73,14 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """Apply the model's chat template to one conversation (a list of message dicts) or a list
+        of them, then generate. A wrong argument is a ValueError naming it, and text that is not
+        valid Unicode names the message: messages[1]['content'] is not valid Unicode: ..."""
+        conversations = _as_conversation_list(messages)
+        if chat_template is not None:
+            if not isinstance(chat_template, str):
+                raise ValueError(f"chat_template must be a str or None, got {_kind(chat_template)}")
+            check_unicode(chat_template, "chat_template")
         tokenizer = self.get_tokenizer()
         prompts = [
             {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
@@ -88,6 +92,8 @@ class LLM:
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search for each prompt; each output's sequences come best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {_kind(params)}")
         engine = self.llm_engine
         token_prompts = [engine.tokenize(_prompt_input(p)[1])[1] for p in _as_prompt_list(prompts)]
         return run_beam_search(engine, token_prompts, params)
@@ -150,25 +156,109 @@ class LLM:
         }
 
 
-def _as_prompt_list(prompts) -> list[PromptType]:
+def _kind(value: Any) -> str:
+    """What a wrong argument is, for an error message."""
+    return "None" if value is None else type(value).__name__
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    """The `prompts` argument as a list of prompts, each checked: ValueError naming the argument
+    (prompts[i] for an item of a list) and what is wrong."""
     if isinstance(prompts, (str, dict)):
+        _check_prompt(prompts, "prompt")
         return [prompts]
+    if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
+        raise ValueError("prompts must be a prompt (a str, a list of token ids or a dict) or a list of prompts, "
+                         f"got {_kind(prompts)}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
+    for i, prompt in enumerate(prompts):
+        _check_prompt(prompt, f"prompts[{i}]")
     return prompts
 
 
+def _check_prompt(prompt: Any, where: str) -> None:
+    if isinstance(prompt, str):
+        check_unicode(prompt, where)
+    elif isinstance(prompt, dict):
+        if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+            raise ValueError(f"{where}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if "prompt_token_ids" in prompt:
+            _check_token_ids(prompt["prompt_token_ids"], f"{where}['prompt_token_ids']")
+        text = prompt.get("prompt")
+        if isinstance(text, str):
+            check_unicode(text, f"{where}['prompt']")
+        elif text is not None or "prompt_token_ids" not in prompt:  # the text may be absent beside token ids
+            raise ValueError(f"{where}['prompt'] must be a str, got {_kind(text)}")
+    elif isinstance(prompt, (list, tuple)):
+        _check_token_ids(prompt, where)
+    else:
+        raise ValueError(f"{where} must be a str, a list of token ids or a dict, got {_kind(prompt)}")
+
+
+def _check_token_ids(token_ids: Any, where: str) -> None:
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError(f"{where} must be a list of token ids, got {_kind(token_ids)}")
+    bad = next((t for t in token_ids if not isinstance(t, int)), None)
+    if bad is not None:
+        raise ValueError(f"{where} must be a list of int token ids, but it holds {_kind(bad)} {bad!r}")
+
+
 def _prompt_input(prompt: PromptType) -> tuple[str | None, str | list[int]]:
-    """(the prompt's text if known, what the engine tokenizes or takes as ids)."""
+    """(the prompt's text if known, what the engine tokenizes or takes as ids), for a prompt that
+    _as_prompt_list has checked."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"], prompt["prompt"]
-        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        return prompt["prompt"], prompt["prompt"]
     if isinstance(prompt, str):
         return prompt, prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return None, prompt
-    raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+    return None, list(prompt)
+
+
+def _sampling_params_list(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: None (the defaults), one for all, or a list of them."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):
+        raise ValueError("sampling_params must be None, a SamplingParams or a list of them (one per prompt), "
+                         f"got {_kind(sampling_params)}")
+    for i, params in enumerate(sampling_params):
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {_kind(params)}")
+    if len(sampling_params) != num_prompts:
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts")
+    return list(sampling_params)
+
+
+def _as_conversation_list(messages: Any) -> list[Conversation]:
+    """The `messages` argument of chat as a list of conversations, each message checked:
+    ValueError naming the argument (messages[i], or messages[c][i] in a list of conversations)."""
+    shape = "a conversation (a list of message dicts) or a list of conversations"
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be {shape}, got {_kind(messages)}")
+    single = bool(messages) and isinstance(messages[0], dict)  # [] stays no conversation at all
+    conversations = [(messages, "messages")] if single else [(c, f"messages[{i}]") for i, c in enumerate(messages)]
+    for conversation, where in conversations:
+        if not isinstance(conversation, (list, tuple)):
+            raise ValueError(f"{where} must be a list of message dicts, got {_kind(conversation)}")
+        for i, message in enumerate(conversation):
+            _check_message(message, f"{where}[{i}]")
+    return [list(c) for c, _ in conversations]
+
+
+def _check_message(message: Any, where: str) -> None:
+    if not isinstance(message, dict):
+        raise ValueError(f"{where} must be a message dict with 'role' and 'content', got {_kind(message)}")
+    if not isinstance(message.get("role"), str):
+        raise ValueError(f"{where}['role'] must be a str, got {_kind(message.get('role'))}")
+    for key, value in message.items():  # every text the template may render, content parts included
+        if isinstance(value, str):
+            check_unicode(value, f"{where}[{key!r}]")
+        elif isinstance(value, list):
+            for j, part in enumerate(value):
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    check_unicode(part["text"], f"{where}[{key!r}][{j}]['text']")

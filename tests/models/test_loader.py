@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.loader import (
     EMBEDDED_INSTALL,
+    check_gguf,
     embedded_model_path,
     load_config,
     load_model,
@@ -201,3 +204,117 @@ def test_model_config_rejects_what_we_cannot_run():
         ModelConfig.from_hf_config(LlamaConfig(**TINY, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf_config(LlamaConfig(**TINY, hidden_act="gelu"))
+
+
+# ---- corrupted files: one ValueError naming the file and what is wrong ---------------------------
+
+GGUF_HEAD = 4 << 20  # bytes of the embedded GGUF to copy: its header (metadata + tensor table) is ~1.8 MB
+
+
+@pytest.fixture(scope="module")
+def gguf_head(embedded_path) -> bytes:
+    with open(embedded_path, "rb") as f:
+        return f.read(GGUF_HEAD)
+
+
+def _patch_after(data: bytes, key: bytes, skip: int, new: bytes) -> bytes:
+    """data with `new` written `skip` bytes after the end of the first `key`."""
+    at = data.index(key) + len(key) + skip
+    return data[:at] + new + data[at + len(new):]
+
+
+GGUF_DAMAGE = {
+    # name: (the file's bytes from the first GGUF_HEAD of the real one, what the error must say)
+    "truncated to 1 MB": (lambda h: h[: 1 << 20], r"runs past the end of the file \(to byte [\d,]+ of 1,048,576\)"),
+    "truncated to 100 bytes": (lambda h: h[:100], r"runs past the end of the file \(to byte [\d,]+ of 100\)"),
+    "empty": (lambda h: b"", "the file is empty"),
+    "magic": (lambda h: b"GGUX" + h[4:], "magic"),
+    "version garbage": (lambda h: h[:4] + b"\xff\xff\x00\x7f" + h[8:], "version 2130771967"),
+    "key not UTF-8": (lambda h: _patch_after(h, b"general.nam", 0, b"\xff"), "not UTF-8"),
+    # type 9 (array), item type 5 (int32), then the item count: 2**62, which must not be looped over
+    "array length garbage": (
+        lambda h: _patch_after(h, b"tokenizer.ggml.token_type", 8, (1 << 62).to_bytes(8, "little")),
+        r"claims 4,611,686,018,427,387,904 items"),
+}
+
+
+@pytest.mark.parametrize("loader", [load_config, load_tokenizer, load_model])
+@pytest.mark.parametrize("damage", list(GGUF_DAMAGE))
+def test_damaged_gguf_is_named_with_what_is_wrong(gguf_head, tmp_path, damage, loader):
+    make, reason = GGUF_DAMAGE[damage]
+    path = tmp_path / "model.gguf"
+    path.write_bytes(make(gguf_head))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a valid GGUF file: .*{reason}"):
+        loader(str(path))
+
+
+def _sparse_copy(path, head: bytes, size: int) -> None:
+    """A file of `size` bytes: the real header, then zeros (sparse: nothing else is written)."""
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+
+
+def test_gguf_truncated_inside_tensor_data_is_caught_before_loading(gguf_head, embedded_path, tmp_path):
+    size = Path(embedded_path).stat().st_size
+    whole, short = tmp_path / "whole.gguf", tmp_path / "short.gguf"
+    _sparse_copy(whole, gguf_head, size)
+    _sparse_copy(short, gguf_head, size - 1)  # the header is intact; the last tensor lacks a byte
+    check_gguf(str(whole))  # zeros are valid tensor data: only the length is wrong in `short`
+    assert load_config(str(whole)).num_layers == 30
+    for loader in (check_gguf, load_config, load_tokenizer, load_model):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(short))} is not a valid GGUF file: tensor '[\w.]+' "
+                                             rf"needs bytes [\d,]+ to {size:,} but the file has {size - 1:,}"):
+            loader(str(short))
+
+
+def _rewrite(path, edit) -> None:
+    path.write_bytes(edit(path.read_bytes()))
+
+
+SAFETENSORS_DAMAGE = {
+    "truncated in the data": lambda b: b[: len(b) // 2],
+    "truncated in the header": lambda b: b[:100],
+    "shorter than its header length": lambda b: b[:3],
+    "empty": lambda b: b"",
+    "garbage": lambda b: b"\x00\x01garbage" * 100,
+    "header not JSON": lambda b: b[:8] + b"!" + b[9:],
+}
+
+
+@pytest.mark.parametrize("damage", list(SAFETENSORS_DAMAGE))
+def test_damaged_safetensors_file_is_named(tiny_checkpoint, tmp_path, damage):
+    d = copy_checkpoint(tiny_checkpoint("llama")[0], tmp_path / "m")
+    _rewrite(d / "model.safetensors", SAFETENSORS_DAMAGE[damage])
+    with pytest.raises(ValueError, match=f"^{re.escape(str(d / 'model.safetensors'))} is not a valid safetensors file: "
+                                         "Error while deserializing header"):
+        load_model(str(d))
+
+
+def test_damaged_shard_is_named(tiny_checkpoint, tmp_path):
+    tiny_checkpoint("llama")[1].save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    victim = sorted(tmp_path.glob("*.safetensors"))[1]
+    _rewrite(victim, lambda b: b[:-1])
+    with pytest.raises(ValueError, match=f"^{re.escape(str(victim))} is not a valid safetensors file"):
+        load_model(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"index\.json has no weight_map"):
+        load_model(str(tmp_path))
+
+
+JSON_DAMAGE = [
+    ("config.json", b'{"model_type": "llama",', "is not valid JSON: Expecting"),
+    ("config.json", b"\xff\xfe{}", "is not valid JSON: 'utf-8' codec can't decode"),
+    ("config.json", b"[1, 2]", "holds a JSON list, not the object expected"),
+    ("generation_config.json", b"{eos_token_id: 2}", "is not valid JSON"),
+    ("generation_config.json", b'"eos"', "holds a JSON str"),
+]
+
+
+@pytest.mark.parametrize("loader", [load_config, load_model])
+@pytest.mark.parametrize(("name", "content", "reason"), JSON_DAMAGE)
+def test_damaged_json_file_is_named(tiny_checkpoint, tmp_path, name, content, reason, loader):
+    d = copy_checkpoint(tiny_checkpoint("llama")[0], tmp_path / "m")
+    (d / name).write_bytes(content)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(d / name))} {reason}"):
+        loader(str(d))

@@ -3,17 +3,20 @@
 Requests validate strictly: a value of the wrong JSON type is an error, never coerced ("5" is
 not 5). Unknown fields are allowed and ignored, as OpenAI clients send fields we do not use.
 Ranges follow OpenAI's documentation; vLLM's extra sampling fields (top_k, min_p, ...) are
-accepted too.
+accepted too. Every text field must be valid Unicode: JSON's "\ud800" escape carries a lone
+surrogate, which no tokenizer takes (see ValidUnicode).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
+from pydantic_core import PydanticCustomError
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.text import check_unicode
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
@@ -48,6 +51,30 @@ class ErrorResponse(ResponseModel):
 # ---- requests --------------------------------------------------------------------------------
 
 
+def _valid_unicode(value: Any, info: ValidationInfo) -> Any:
+    """Every str in a field's value (a str, a list of them, or chat content parts), checked with
+    check_unicode; the error names the field (and the list item). It runs on the field as a whole,
+    after the union has picked its member: inside a union member, the error would come after the
+    other members' irrelevant ones ("Input should be a valid string")."""
+    name = info.field_name
+    if isinstance(value, str):
+        items = [(name, value)]
+    else:  # token ids have nothing to check
+        items = [(f"{name}[{i}]", v.text if isinstance(v, TextContentPart) else v) for i, v in enumerate(value)]
+    for what, text in items:
+        if isinstance(text, str):
+            try:
+                check_unicode(text, what)
+            except ValueError as e:
+                raise PydanticCustomError("invalid_unicode", str(e)) from None
+    return value
+
+
+# `Annotated[<a text field's type>, ValidUnicode]`: its strs must be valid Unicode (a 400 naming
+# the field, never a 500 from the tokenizer or from a JSON response that echoes the text).
+ValidUnicode = AfterValidator(_valid_unicode)
+
+
 class StreamOptions(RequestModel):
     include_usage: bool = False
 
@@ -55,17 +82,17 @@ class StreamOptions(RequestModel):
 class SamplingRequest(RequestModel):
     """The fields /v1/completions and /v1/chat/completions share. null means the default."""
 
-    model: str | None = None
+    model: Annotated[str, ValidUnicode] | None = None
     n: int | None = Field(None, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str], ValidUnicode] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Annotated[str, ValidUnicode] | None = None
     # vLLM's extras.
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -92,7 +119,7 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     # Text, a list of texts, token ids, or a list of token id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], ValidUnicode]
     max_tokens: int | None = Field(16, ge=1)  # null: 16 too
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
@@ -112,7 +139,7 @@ class TextContentPart(RequestModel):
 
 class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextContentPart]
+    content: Annotated[str | list[TextContentPart], ValidUnicode]
 
     def text(self) -> str:
         if isinstance(self.content, str):

@@ -27,6 +27,11 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
+        # A message may echo the request, lone surrogates ("\ud800") included, which the body's
+        # UTF-8 cannot hold: escape them, so that an error never fails on its own message.
+        message = message.encode("utf-8", "backslashreplace").decode()
+        if param is not None:
+            param = param.encode("utf-8", "backslashreplace").decode()
         super().__init__(message)
         self.status = status
         self.body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
