@@ -24,6 +24,7 @@ from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.kv import KVCacheManager, KVCacheStats
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.text import check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,6 @@ class LLMEngine:
         """(the text, its token ids), or (None, the ids) for token ids. Text that is not valid
         Unicode is a ValueError saying where, not a TypeError from inside the tokenizer."""
         if isinstance(prompt, str):
-            from pagedserve.text import check_unicode
-
             return prompt, self.tokenizer.encode(check_unicode(prompt, "the prompt"))
         return None, list(prompt)
 
