@@ -3,8 +3,6 @@ the request at fault, undone, and only that request ends (finish_reason "error")
 exactly the tokens they get without it, the prefix cache keeps nothing the failed step was to
 write, and every block is free afterwards."""
 
-from contextlib import contextmanager
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +13,7 @@ from pagedserve.engine.llm_engine import LLMEngine, find_culprits
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.models.loader import load_model
 from pagedserve.sampling_params import SamplingParams
+from tests.engine.fault_injection import forward_fails_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fibonacci(n):",
            "The best way to learn a language is", "Water boils at", "My favourite colour is", "Dear Sir,"]
@@ -138,30 +137,6 @@ def test_parallel_samples_of_a_failing_request_end_together(embedded_model, embe
     assert [o.finish_reason for o in finished["bad"].outputs] == ["error"] * 3
     assert finished["ok"].outputs[0].token_ids == alone[1]
     assert_all_free(engine)
-
-
-@contextmanager
-def forward_fails_for(model, token: int, layer: int = 10):
-    """The model raises at `layer` (after the layers below it wrote their K/V) in every forward
-    pass whose input holds `token`."""
-    armed = {"now": False}
-    real_forward = model.forward
-
-    def forward(input_ids, *args, **kwargs):
-        armed["now"] = bool((input_ids == token).any())
-        return real_forward(input_ids, *args, **kwargs)
-
-    def hook(module, args):
-        if armed["now"]:
-            raise RuntimeError("injected fault in the forward pass")
-
-    model.forward = forward
-    handle = model.model.layers[layer].register_forward_pre_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-        del model.forward
 
 
 def test_a_failed_forward_leaves_nothing_in_the_prefix_cache(embedded_model, embedded_tokenizer, alone):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 from server_harness import MODEL, assert_all_free
 
 from pagedserve.sampling_params import SamplingParams
+from tests.engine.fault_injection import forward_fails_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fibonacci(n):",
            "The best way to learn a language is", "Water boils at", "My favourite colour is", "Dear Sir,"]
@@ -86,29 +86,6 @@ def test_an_out_of_range_top_k_is_a_400_and_fails_nobody_else(server, alone, rou
     assert status == 400 and error["error"]["param"] == "top_k"
     assert_innocents_unharmed(innocents, alone)
     assert_all_free(server.wait_idle())
-
-
-@contextmanager
-def forward_fails_for(model, token: int, layer: int = 10):
-    """The model raises at `layer` in every forward pass whose input holds `token`."""
-    armed = {"now": False}
-    real_forward = model.forward
-
-    def forward(input_ids, *args, **kwargs):
-        armed["now"] = bool((input_ids == token).any())
-        return real_forward(input_ids, *args, **kwargs)
-
-    def hook(module, args):
-        if armed["now"]:
-            raise RuntimeError("injected fault in the forward pass")
-
-    model.forward = forward
-    handle = model.model.layers[layer].register_forward_pre_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-        del model.forward
 
 
 @pytest.mark.parametrize("stream", [False, True])
