@@ -27,7 +27,7 @@ class OpenAIServingChat(OpenAIServing):
         # Before any template or tokenization: messages whose text cannot fit cost nothing. A
         # template puts each message's content into the prompt, at most trimmed of surrounding
         # whitespace (Llama 3's trims), so the stripped lengths are what the prompt holds at least.
-        self.check_prompt_chars(sum(len(m.text().strip()) for m in request.messages), "messages")
+        await self.check_prompt_chars([m.text().strip() for m in request.messages], "messages")
         prompt = await self.run_blocking(self._apply_chat_template, request)
         num_prompt_tokens = len(prompt[1])
         max_tokens = request.max_completion_tokens or request.max_tokens

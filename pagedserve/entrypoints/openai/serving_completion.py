@@ -29,7 +29,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("the prompt is empty", "prompt")
         for p in texts_or_ids:  # before any tokenization: a prompt that cannot fit costs nothing
             if isinstance(p, str):
-                self.check_prompt_chars(len(p), "prompt")
+                await self.check_prompt_chars([p], "prompt")
         prompts = await self.run_blocking(self._tokenize_all, texts_or_ids)
         if request.max_tokens is not None:
             max_tokens = request.max_tokens

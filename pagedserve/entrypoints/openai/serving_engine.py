@@ -15,6 +15,7 @@ from typing import TypeVar
 from fastapi.responses import JSONResponse
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError
+from pagedserve.entrypoints.openai.limits import PromptBound
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ResponseModel, SamplingRequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -112,16 +113,16 @@ class StreamState:
 class OpenAIServing:
     """The endpoints' shared state. Tokenizer work (encoding, chat templates, decoding) runs on
     `executor`, never on the event loop: the tokenizer releases the GIL while it encodes, so a long
-    prompt delays no other client. `max_prompt_chars` (limits.max_prompt_chars) refuses a prompt
-    that cannot fit before it is tokenized at all; None turns that check off."""
+    prompt delays no other client. `prompt_bound` (limits.prompt_bound) refuses a prompt that
+    cannot fit before it is tokenized at all; None turns that check off."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, *, executor: Executor | None = None,
-                 max_prompt_chars: int | None = None, default_max_tokens: int | None = None,
+                 prompt_bound: PromptBound | None = None, default_max_tokens: int | None = None,
                  drain: Drain | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedserve-tokenizer")
-        self.max_prompt_chars = max_prompt_chars
+        self.prompt_bound = prompt_bound
         self.default_max_tokens = default_max_tokens  # the operator's, for a request that sets none
         self.drain = drain or Drain()
 
@@ -129,9 +130,17 @@ class OpenAIServing:
         """fn(*args) on the executor: for tokenizer work, which must not block the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def check_prompt_chars(self, num_chars: int, param: str) -> None:
-        """Refuse, before tokenizing, a prompt whose characters cannot fit the context."""
-        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+    async def check_prompt_chars(self, texts: list[str], param: str) -> None:
+        """Refuse, before tokenizing, a prompt (made of `texts`) whose characters cannot fit the
+        context. Below the bound it costs a len(); above it, characters the tokenizer drops are
+        counted out on the executor (a scan per such character)."""
+        bound = self.prompt_bound
+        num_chars = sum(map(len, texts))
+        if bound is None or num_chars <= bound.max_chars:
+            return
+        if bound.dropped:
+            num_chars = await self.run_blocking(lambda: sum(bound.counted(text) for text in texts))
+        if num_chars > bound.max_chars:
             limit = self.engine.max_model_len
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your request has "
                               f"{num_chars} characters of input, more than {limit} tokens can hold. Please reduce "
