@@ -142,8 +142,34 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from pagedserve.config import EngineConfig
     from pagedserve.entrypoints.openai.api_server import run_server
 
-    run_server(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port, api_key=args.api_key,
-               served_model_name=args.served_model_name)
+    run_server(EngineConfig(**engine_kwargs(args)), **server_kwargs(args))
+
+
+def server_kwargs(args: argparse.Namespace) -> dict:
+    """run_server's keyword arguments from `serve`'s flags. Raises ValueError for a bad
+    --override-generation-config."""
+    return dict(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+                timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
+                body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
+                max_body_bytes=args.max_body_bytes,
+                default_max_tokens=generation_config_max_tokens(args.override_generation_config))
+
+
+def generation_config_max_tokens(override: str | None) -> int | None:
+    """max_new_tokens from vLLM's --override-generation-config JSON, the only key served here."""
+    if override is None:
+        return None
+    try:
+        config = json.loads(override)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--override-generation-config is not JSON: {e}") from e
+    if not isinstance(config, dict) or set(config) - {"max_new_tokens"}:
+        raise ValueError("--override-generation-config takes a JSON object with max_new_tokens only, "
+                         f"e.g. '{{\"max_new_tokens\": 256}}'; got {override}")
+    value = config.get("max_new_tokens")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"max_new_tokens must be a positive integer, got {value!r}")
+    return value
 
 
 def format_report(m: dict) -> str:
@@ -295,6 +321,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="if set, /v1 routes require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients use (default: --model, or SmolLM2-135M-Instruct)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle connection stays open between requests")
+    serve.add_argument("--header-timeout", type=float, default=5.0,
+                       help="seconds a request's headers may take to arrive, from its first byte")
+    serve.add_argument("--body-timeout", type=float, default=30.0,
+                       help="seconds a request's body may take to arrive, after its headers (then 408)")
+    serve.add_argument("--max-body-bytes", type=int, default=None,
+                       help="largest request body (then 413; default: room for the longest prompt that can "
+                       "fit the context)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM or SIGINT, seconds running requests get to finish before they are "
+                       "aborted; new requests get 503 meanwhile (a second signal exits at once)")
+    serve.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help="vLLM's flag; '{\"max_new_tokens\": N}' sets max_tokens for requests that set none "
+                       "(default: chat runs to the context limit, completions 16)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -52,3 +52,31 @@ def test_a_bench_report_goes_where_its_flags_say(tmp_path, capsys):
     assert json.loads((tmp_path / "x.json").read_text()) == {"rate": 2.0}
     save_report(None, "bench_y", "| b |", drawn.append, None, None)  # neither flag: nothing written or drawn
     assert len(drawn) == 1 and not (tmp_path / "bench_y.md").exists()
+
+
+def test_serve_flags_reach_run_server():
+    import inspect
+
+    from pagedserve.entrypoints.cli import server_kwargs
+    from pagedserve.entrypoints.openai.api_server import run_server
+
+    params = inspect.signature(run_server).parameters
+    defaults = server_kwargs(build_parser().parse_args(["serve"]))
+    assert set(defaults) <= set(params)
+    assert defaults == {name: params[name].default for name in defaults}  # the flags' defaults are run_server's
+    args = build_parser().parse_args([
+        "serve", "--timeout-keep-alive", "2", "--header-timeout", "3", "--body-timeout", "4", "--shutdown-timeout",
+        "6", "--max-body-bytes", "1000", "--override-generation-config", '{"max_new_tokens": 64}'])
+    assert server_kwargs(args) == defaults | {
+        "timeout_keep_alive": 2.0, "header_timeout": 3.0, "body_timeout": 4.0, "shutdown_timeout": 6.0,
+        "max_body_bytes": 1000, "default_max_tokens": 64}
+
+
+@pytest.mark.parametrize("override", ['{"max_new_tokens": 0}', '{"temperature": 0.5}', "[1]", "{not json",
+                                      '{"max_new_tokens": true}'])
+def test_a_generation_config_override_it_cannot_honour_is_refused(override):
+    from pagedserve.entrypoints.cli import server_kwargs
+
+    args = build_parser().parse_args(["serve", "--override-generation-config", override])
+    with pytest.raises(ValueError, match="max_new_tokens|JSON"):
+        server_kwargs(args)

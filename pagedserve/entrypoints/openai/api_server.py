@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,44 +21,106 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedserve import __version__
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.entrypoints.openai import http_server
+from pagedserve.entrypoints.openai.limits import default_max_body_bytes, prompt_bound
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, ResponseModel,
+)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_engine import APIError, bad_request, server_error
+from pagedserve.entrypoints.openai.serving_engine import APIError, Drain, bad_request, server_error, shutting_down
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
+# What each error status means here, for the OpenAPI schema (all carry an ErrorResponse body).
+ERROR_STATUSES = {
+    400: "Invalid request: a field's type or value, a prompt too long for the context, a body that is not JSON",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    408: "The request body did not arrive in time",
+    413: "The request body is over the server's limit",
+    500: "The engine failed while serving the request",
+    503: "The server is shutting down (draining) or its engine is not running",
+}
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """An app serving a started engine. The caller owns the engine (start and shutdown)."""
-    app = FastAPI(title="pagedserve", version=__version__)
+
+class HealthStatus(ResponseModel):
+    status: Literal["ok"] = "ok"
+
+
+class _App(FastAPI):
+    """FastAPI, minus the 422 it declares on every route with a body: validation errors are 400 here."""
+
+    def openapi(self) -> dict[str, Any]:
+        schema = super().openapi()
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]} for status in statuses}
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, *,
+              max_body_bytes: int | None = None, body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
+              default_max_tokens: int | None = None) -> FastAPI:
+    """An app serving a started engine. The caller owns the engine (start and shutdown).
+
+    max_body_bytes: the largest request body (default: what the longest prompt that can fit the
+    context needs, limits.default_max_body_bytes); body_timeout: seconds a request's body may take
+    to arrive; default_max_tokens: max_tokens for a request that sets none (vLLM's max_new_tokens
+    generation setting; default: up to the context limit for chat, 16 for completions). The app's
+    drain (app.state.drain) is driven by http_server.GracefulServer."""
+    bound = prompt_bound(engine.tokenizer, engine.max_model_len)
+    if max_body_bytes is None:
+        max_body_bytes = default_max_body_bytes(bound and bound.max_chars)
+    drain = Drain()
+    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedserve-tokenizer")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    app = _App(title="pagedserve", version=__version__, lifespan=lifespan)
+    app.state.drain = drain
     metrics = ServerMetrics(engine, served_model_name)
-    completions = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name)
+    shared = dict(executor=executor, prompt_bound=bound, default_max_tokens=default_max_tokens, drain=drain)
+    completions = OpenAIServingCompletion(engine, served_model_name, **shared)
+    chat = OpenAIServingChat(engine, served_model_name, **shared)
+    auth = (401,) if api_key else ()
     v1 = APIRouter(prefix="/v1")
 
-    @v1.get("/models")
+    @v1.get("/models", responses=_errors(*auth, 503))
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
 
-    @v1.post("/completions")
+    generation_errors = _errors(400, *auth, 404, 408, 413, 500, 503)
+
+    @v1.post("/completions", responses=generation_errors)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, completions.create_completion(body))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=generation_errors)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, chat.create_chat_completion(body))
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, responses=_errors(503))
     async def health() -> Response:
+        if drain.draining:
+            return shutting_down().response()
         if not engine.is_running:
-            return server_error("the engine is not running").response()
-        return Response(status_code=200)
+            return APIError(503, "the engine is not running", type="server_error").response()
+        return JSONResponse(HealthStatus().model_dump())
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -78,13 +143,17 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail)).response()
+        response = APIError(e.status_code, str(e.detail)).response()
+        response.headers.update(e.headers or {})  # e.g. 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, e: Exception) -> JSONResponse:
         return server_error(f"internal error: {e!r}").response()  # Starlette logs the traceback
 
-    if api_key:
+    app.add_middleware(http_server.RequestGuard, drain=drain, max_body_bytes=max_body_bytes,
+                       body_timeout=body_timeout)
+    if api_key:  # outside the guard: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
 
@@ -130,15 +199,27 @@ async def _disconnected(request: Request) -> None:
 
 
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               served_model_name: str | None = None) -> None:
-    import uvicorn
-
+               served_model_name: str | None = None,
+               timeout_keep_alive: float = http_server.DEFAULT_TIMEOUT_KEEP_ALIVE,
+               header_timeout: float = http_server.DEFAULT_HEADER_TIMEOUT,
+               body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
+               shutdown_timeout: float = http_server.DEFAULT_SHUTDOWN_TIMEOUT,
+               max_body_bytes: int | None = None, default_max_tokens: int | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, which drain the server (http_server.GracefulServer) before it
+    exits; a second signal exits at once."""
     from pagedserve.engine.llm_engine import LLMEngine
 
     engine = AsyncLLMEngine(LLMEngine(config))
     name = served_model_name or config.model or EMBEDDED_MODEL_NAME
     engine.start()
     try:
-        uvicorn.run(build_app(engine, name, api_key), host=host, port=port, log_level="info")
+        app = build_app(engine, name, api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                        default_max_tokens=default_max_tokens)
+        server = http_server.make_server(app, host=host, port=port, timeout_keep_alive=timeout_keep_alive,
+                                         header_timeout=header_timeout, shutdown_timeout=shutdown_timeout)
+        server.run()
     finally:
         engine.shutdown()
+        kv = engine.stats.kv
+        logging.getLogger("uvicorn.error").info("Engine stopped: %d of %d KV blocks free", kv.free_blocks,
+                                                kv.total_blocks)

@@ -24,12 +24,16 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        prompt = self._apply_chat_template(request)
+        # Before any template or tokenization: messages whose text cannot fit cost nothing. A
+        # template puts each message's content into the prompt, at most trimmed of surrounding
+        # whitespace (Llama 3's trims), so the stripped lengths are what the prompt holds at least.
+        await self.check_prompt_chars([m.text().strip() for m in request.messages], "messages")
+        prompt = await self.run_blocking(self._apply_chat_template, request)
         num_prompt_tokens = len(prompt[1])
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_context(num_prompt_tokens, max_tokens, "messages")
         if max_tokens is None:
-            max_tokens = self.engine.max_model_len - num_prompt_tokens  # up to the context limit
+            max_tokens = self.max_tokens_left(num_prompt_tokens)  # the operator's default, or the context limit
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, num_logprobs)
         request_id = random_id("chatcmpl")
@@ -49,6 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> Prompt:
+        """The prompt's text and token ids. Runs on the executor."""
         tokenizer = self.engine.tokenizer
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:

@@ -24,10 +24,19 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:
             raise bad_request("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                               "echo")
-        prompts = [self._tokenize(p) for p in request.prompts()]
-        if not prompts:
+        texts_or_ids = request.prompts()
+        if not texts_or_ids:
             raise bad_request("the prompt is empty", "prompt")
-        max_tokens = request.max_tokens or 16
+        for p in texts_or_ids:  # before any tokenization: a prompt that cannot fit costs nothing
+            if isinstance(p, str):
+                await self.check_prompt_chars([p], "prompt")
+        prompts = await self.run_blocking(self._tokenize_all, texts_or_ids)
+        if request.max_tokens is not None:
+            max_tokens = request.max_tokens
+        elif self.default_max_tokens is not None:  # null: the operator's default, within the context
+            max_tokens = max(1, min(self.max_tokens_left(len(ids)) for _, ids in prompts))
+        else:
+            max_tokens = 16
         for _, ids in prompts:
             self.check_context(len(ids), max_tokens, "prompt")
         params = self.sampling_params(request, max_tokens, request.logprobs)
@@ -35,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         outputs = self.generate(prompts, params, request_id, "prompt")
         # Wait for the first output before answering, so a refused prompt is still an HTTP error.
         first = await anext(outputs)
-        echoes = [self._echo(p) if request.echo else "" for p in prompts]
+        echoes = await self.run_blocking(self._echoes, prompts) if request.echo else [""] * len(prompts)
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, echoes, first, outputs),
                                      media_type="text/event-stream")
@@ -49,10 +58,18 @@ class OpenAIServingCompletion(OpenAIServing):
                                       usage=_usage(final.values()))
         return JSONResponse(response.model_dump())
 
+    def _tokenize_all(self, prompts: list[str | list[int]]) -> list[Prompt]:
+        """Runs on the executor."""
+        return [self._tokenize(p) for p in prompts]
+
     def _tokenize(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt)  # as LLM.generate does
         return None, list(prompt)
+
+    def _echoes(self, prompts: list[Prompt]) -> list[str]:
+        """Runs on the executor."""
+        return [self._echo(p) for p in prompts]
 
     def _echo(self, prompt: Prompt) -> str:
         text, ids = prompt

@@ -1,11 +1,13 @@
-"""What the completion and chat endpoints share: errors, the model and context checks, sampling
-parameters, and running a request's prompts through the engine."""
+"""What the completion and chat endpoints share: errors, the model, size and context checks,
+sampling parameters, tokenizer work off the event loop, the server's drain, and running a
+request's prompts through the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
@@ -13,6 +15,7 @@ from typing import TypeVar
 from fastapi.responses import JSONResponse
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError
+from pagedserve.entrypoints.openai.limits import PromptBound
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ResponseModel, SamplingRequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import ParameterError, SamplingParams
@@ -48,6 +51,38 @@ def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error")
 
 
+def shutting_down(message: str = "the server is shutting down") -> APIError:
+    return APIError(503, message, type="server_error", code="server_shutting_down")
+
+
+class Drain:
+    """The server's shutdown as the app sees it (event loop only). After `start()` new work is
+    refused with a 503 while the requests already running go on; after `abort()` those still running
+    end with a 503 error too (a stream gets it as its last event)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.aborted = False
+        self.in_flight = 0  # /v1 requests inside the app, counted by the request guard
+        self._aborted_future: asyncio.Future | None = None
+
+    def start(self) -> None:
+        self.draining = True
+
+    def abort(self) -> None:
+        self.draining = self.aborted = True
+        if self._aborted_future is not None and not self._aborted_future.done():
+            self._aborted_future.set_result(None)
+
+    def aborted_future(self) -> asyncio.Future:
+        """Done once `abort()` is called: what a running request waits on beside its outputs."""
+        if self._aborted_future is None:
+            self._aborted_future = asyncio.get_running_loop().create_future()
+            if self.aborted:
+                self._aborted_future.set_result(None)
+        return self._aborted_future
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -81,9 +116,46 @@ class StreamState:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    """The endpoints' shared state. Tokenizer work (encoding, chat templates, decoding) runs on
+    `executor`, never on the event loop: the tokenizer releases the GIL while it encodes, so a long
+    prompt delays no other client. `prompt_bound` (limits.prompt_bound) refuses a prompt that
+    cannot fit before it is tokenized at all; None turns that check off."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, *, executor: Executor | None = None,
+                 prompt_bound: PromptBound | None = None, default_max_tokens: int | None = None,
+                 drain: Drain | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedserve-tokenizer")
+        self.prompt_bound = prompt_bound
+        self.default_max_tokens = default_max_tokens  # the operator's, for a request that sets none
+        self.drain = drain or Drain()
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the executor: for tokenizer work, which must not block the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def check_prompt_chars(self, texts: list[str], param: str) -> None:
+        """Refuse, before tokenizing, a prompt (made of `texts`) whose characters cannot fit the
+        context. Below the bound it costs a len(); above it, characters the tokenizer drops are
+        counted out on the executor (a scan per such character)."""
+        bound = self.prompt_bound
+        num_chars = sum(map(len, texts))
+        if bound is None or num_chars <= bound.max_chars:
+            return
+        if bound.dropped:
+            num_chars = await self.run_blocking(lambda: sum(bound.counted(text) for text in texts))
+        if num_chars > bound.max_chars:
+            limit = self.engine.max_model_len
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your request has "
+                              f"{num_chars} characters of input, more than {limit} tokens can hold. Please reduce "
+                              "the length of the input.", param)
+
+    def max_tokens_left(self, num_prompt_tokens: int) -> int:
+        """The default when a request sets no max_tokens: the operator's default (vLLM's
+        max_new_tokens), or else up to the context limit; never more than the context leaves."""
+        room = self.engine.max_model_len - num_prompt_tokens
+        return room if self.default_max_tokens is None else min(self.default_max_tokens, room)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -114,10 +186,14 @@ class OpenAIServing:
     async def generate(self, prompts: list[Prompt], params: SamplingParams, request_id: str,
                        param: str) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every prompt as its own engine request; yield (prompt index, cumulative output) as
-        outputs arrive. Errors come out as APIError; closing the iterator aborts what is left."""
+        outputs arrive. Errors come out as APIError; closing the iterator aborts what is left, and so
+        does the drain's abort (then the error is a 503)."""
+        if self.drain.aborted:
+            raise shutting_down()
         requests = [self.engine.generate(ids, params, f"{request_id}-{i}", prompt_text=text)
                     for i, (text, ids) in enumerate(prompts)]
-        async with aclosing(merge_async_iterators(*requests)) as outputs:
+        merged = merge_async_iterators(*requests, until=self.drain.aborted_future())
+        async with aclosing(merged) as outputs:
             try:
                 async for item in outputs:
                     yield item
@@ -125,15 +201,26 @@ class OpenAIServing:
                 raise bad_request(str(e), getattr(e, "param", param)) from e
             except EngineError as e:
                 raise server_error(str(e)) from e
+            except Interrupted:
+                raise shutting_down("the server shut down before this request finished") from None
 
 
-async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+class Interrupted(Exception):
+    """merge_async_iterators stopped because its `until` future is done."""
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[T],
+                                until: asyncio.Future | None = None) -> AsyncIterator[tuple[int, T]]:
     """Yield (i, item) from several async iterators in the order items arrive. An error in any of
-    them, or closing the merge, cancels and closes them all."""
+    them, closing the merge, or `until` becoming done (then it raises Interrupted) cancels and
+    closes them all."""
     pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
     try:
         while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([*pending, *([until] if until is not None else [])],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if until is not None and until.done():
+                raise Interrupted()
             for task in done:
                 i = pending.pop(task)
                 try:

@@ -12,22 +12,30 @@ from dataclasses import dataclass
 
 import httpx
 import openai
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.openai.api_server import build_app
+from pagedserve.entrypoints.openai.http_server import GracefulServer, make_server
 
 MODEL = "smollm2-test"
 
 
 @contextmanager
-def serve(app) -> Iterator[str]:
-    """Run `app` on uvicorn in a thread; yield its base URL."""
+def serve(app, **options) -> Iterator[str]:
+    """Run `app` (from build_app) on uvicorn in a thread, as `pagedserve serve` does (make_server,
+    which takes `options`: header_timeout, shutdown_timeout, ...); yield its base URL."""
+    with serve_server(app, **options) as (url, _):
+        yield url
+
+
+@contextmanager
+def serve_server(app, **options) -> Iterator[tuple[str, GracefulServer]]:
+    """serve(), yielding the uvicorn server too (to drive its drain: server.handle_exit)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # the OS picks a free port; holding the socket leaves no race
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = make_server(app, log_level="warning", **options)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -35,7 +43,7 @@ def serve(app) -> Iterator[str]:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -70,12 +78,13 @@ class Server:
 
 
 @contextmanager
-def serve_engine(engine: LLMEngine) -> Iterator[Server]:
-    """`engine` behind the OpenAI app (through an AsyncLLMEngine), served on loopback as MODEL."""
+def serve_engine(engine: LLMEngine, **app_options) -> Iterator[Server]:
+    """`engine` behind the OpenAI app (through an AsyncLLMEngine), served on loopback as MODEL;
+    `app_options` go to build_app."""
     async_engine = AsyncLLMEngine(engine)
     async_engine.start()
     try:
-        with serve(build_app(async_engine, MODEL)) as url:
+        with serve(build_app(async_engine, MODEL, **app_options)) as url:
             yield Server(url, engine, async_engine)
     finally:
         async_engine.shutdown()

@@ -6,8 +6,10 @@ import asyncio
 import httpx
 import openai
 import pytest
-from server_harness import MODEL, assert_all_free, read_metrics, serve
+from server_harness import MODEL, assert_all_free, read_metrics, serve, serve_engine
 
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.sampling_params import SamplingParams
 
@@ -337,3 +339,30 @@ def test_api_key(server):
         assert read_metrics(url)["vllm:e2e_request_latency_seconds_count"] == 1  # its own registry
     # The first server, on the same engine, is unaffected and needs no key.
     assert server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices
+
+
+
+def test_the_operators_default_max_tokens(embedded_model, embedded_tokenizer):
+    """`--override-generation-config '{"max_new_tokens": 5}'`: max_tokens for a request that sets none;
+    a request's own still wins, the context check still applies, and the default never overruns the
+    context. (Its own small engine, so that a prompt can fill the context quickly.)"""
+    context = 128
+    engine = LLMEngine(EngineConfig(num_kv_blocks=16, max_model_len=context), model=embedded_model,
+                       tokenizer=embedded_tokenizer)
+    with serve_engine(engine, default_max_tokens=5) as small:
+        client = small.client()
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"ignore_eos": True})
+        assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (5, "length")
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7,
+                                           extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 7
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=context)
+        # Completions: an omitted max_tokens is OpenAI's 16; an explicit null takes the default.
+        r = httpx.post(f"{small.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": None, "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 5
+        # Three tokens of room left in the context: three, not five, and no error.
+        r = httpx.post(f"{small.url}/v1/completions",
+                       json={"prompt": [1] * (context - 3), "max_tokens": None, "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert_all_free(small.wait_idle())

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from pagedserve.entrypoints.openai.serving_engine import StreamState, merge_async_iterators
+from pagedserve.entrypoints.openai.serving_engine import Interrupted, StreamState, merge_async_iterators
 from pagedserve.outputs import CompletionOutput
 
 
@@ -48,6 +48,24 @@ def test_an_error_or_closing_the_merge_closes_every_iterator():
 
     asyncio.run(asyncio.wait_for(main(), timeout=5))
 
+
+def test_the_until_future_interrupts_the_merge_and_closes_every_iterator():
+    """The drain's abort: a future, done at some point, ends every running request's merge."""
+    async def main():
+        closed = []
+        until = asyncio.get_running_loop().create_future()
+        merged = merge_async_iterators(ticker("a", [0.0, 10.0], closed), ticker("b", [10.0], closed), until=until)
+        assert await anext(merged) == (0, "a0")
+        asyncio.get_running_loop().call_later(0.05, until.set_result, None)
+        with pytest.raises(Interrupted):
+            await anext(merged)
+        assert sorted(closed) == ["a", "b"]
+        # Finished iterators end the merge even though `until` never completes.
+        other = asyncio.get_running_loop().create_future()
+        items = [item async for item in merge_async_iterators(ticker("c", [0.0], closed), until=other)]
+        assert items == [(0, "c0")] and not other.done()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=5))
 
 def test_stream_state_sends_each_piece_once():
     def out(text, tokens, finish=None):
