@@ -101,8 +101,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     llm = LLM(**engine_kwargs(args))
     outputs = llm.generate(args.prompts, sampling_params(args), use_tqdm=False)
     for output in outputs:
+        if output.error is not None:  # the engine failed on this prompt alone: the others printed
+            print(f"error: prompt {output.prompt!r}: {output.error}", file=sys.stderr)
+            continue
         for sample in output.outputs:
             print(output.prompt + sample.text if args.echo else sample.text)
+    if any(output.error is not None for output in outputs):
+        sys.exit(1)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

@@ -80,3 +80,27 @@ def test_a_generation_config_override_it_cannot_honour_is_refused(override):
     args = build_parser().parse_args(["serve", "--override-generation-config", override])
     with pytest.raises(ValueError, match="max_new_tokens|JSON"):
         server_kwargs(args)
+
+
+def test_generate_prints_every_answer_and_reports_a_prompt_the_engine_failed_on(monkeypatch, capsys):
+    from pagedserve.entrypoints import cli
+    from pagedserve.outputs import CompletionOutput, RequestOutput
+
+    def output(prompt, text, error=None):
+        sample = CompletionOutput(0, text, [1], None, None, "error" if error else "stop")
+        return RequestOutput("0", prompt, [1], [sample], finished=True, error=error)
+
+    class FakeLLM:  # stands in for the engine: what matters here is what the command prints
+        def __init__(self, **kwargs):
+            pass
+
+        def generate(self, prompts, params, use_tqdm):
+            return [output(prompts[0], " Paris."), output(prompts[1], "", error="RuntimeError('boom')")]
+
+    monkeypatch.setattr("pagedserve.entrypoints.llm.LLM", FakeLLM)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "The capital of France is", "Tell me"])
+    assert exit_.value.code == 1
+    out, err = capsys.readouterr()
+    assert out == " Paris.\n"
+    assert "error: prompt 'Tell me': RuntimeError('boom')" in err
