@@ -1,37 +1,60 @@
-"""EngineConfig: every engine setting, resolved once at start."""
+"""EngineConfig: every engine setting, resolved once at start.
+
+Each field carries its command-line help (and choices) as metadata: `pagedserve`'s engine flags are
+made from these fields, so the two cannot disagree. torch is imported only where a setting is
+resolved, so that building those flags does not load it.
+"""
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pagedserve.attention.kv_quant import FP8_DTYPE, resolve_kv_cache_dtype
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in float32
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF directory, .gguf file, or None for the embedded default
-    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU; on CUDA, what gpu_memory_utilization leaves
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" (e4m3, per-tensor scales) or a float dtype
-    calculate_kv_scales: bool = False  # fp8: set each layer's scales from the first forward pass (else 1.0)
-    gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory the engine may take, all told
-    enforce_eager: bool = False  # CUDA: run decode steps eagerly, without capturing CUDA graphs
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's context, capped by the KV pool
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "torch", "triton", or "auto": triton on CUDA when installed, else torch
-    seed: int = 0
+    model: str | None = _setting(None, "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    dtype: str = _setting("auto", "weights' and activations' dtype; auto: float32 on CPU, bfloat16 on CUDA", DTYPES)
+    device: str = _setting("auto", "cpu, cuda, cuda:N; auto: cuda when available, else cpu")
+    block_size: int = _setting(16, "tokens per KV block")
+    num_kv_blocks: int | None = _setting(None, "KV blocks in the pool (overrides --kv-cache-memory-bytes)")
+    kv_cache_memory_bytes: int | None = _setting(
+        None, "bytes for the KV pool (default: 1 GiB on CPU; on CUDA, what --gpu-memory-utilization leaves)")
+    kv_cache_dtype: str = _setting(
+        "auto", "KV cache element type: auto (the model's dtype) or fp8 (e4m3, per-tensor scales)", KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _setting(
+        False, "fp8 KV cache: set each layer's scales from the first forward pass (else 1.0)")
+    gpu_memory_utilization: float = _setting(
+        0.9, "CUDA: the share of the GPU's memory the engine may take, weights, activations and KV cache all told")
+    enforce_eager: bool = _setting(False, "CUDA: run decode steps eagerly, without capturing CUDA graphs")
+    max_num_seqs: int = _setting(256, "the most requests (sequences) running at once")
+    max_num_batched_tokens: int = _setting(2048, "the most tokens one step computes (prompts are chunked to fit)")
+    max_model_len: int | None = _setting(None, "the longest prompt + output (default: the model's context, "
+                                               "capped by the KV pool)")
+    enable_prefix_caching: bool = _setting(True, "share the KV blocks of common prompt prefixes across requests")
+    attention_backend: str = _setting(
+        "auto", "torch (the CPU path, with a C decode kernel), triton (GPU kernels); auto: triton on CUDA when "
+        "installed, else torch", ATTENTION_BACKENDS)
+    seed: int = _setting(0, "the engine's seed for requests that set none")
 
     def __post_init__(self) -> None:
+        import torch
+
+        from pagedserve.attention.kv_quant import FP8_DTYPE
+
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -56,11 +79,15 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """The KV cache's element type (raises ValueError for an unknown kv_cache_dtype)."""
+        from pagedserve.attention.kv_quant import resolve_kv_cache_dtype
+
         return resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
@@ -100,7 +127,7 @@ def resolve_dtype(name: str, device: str) -> str:
     """The model's dtype: "auto" is bfloat16 on CUDA, float32 elsewhere."""
     if name == "auto":
         return "bfloat16" if device.startswith("cuda") else "float32"
-    if name not in ("float32", "bfloat16", "float16"):
+    if name not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {name!r}")
     return name
 
@@ -111,7 +138,7 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     triton_installed = importlib.util.find_spec("triton") is not None
     if name == "auto":
         return "triton" if device.type == "cuda" and triton_installed else "torch"
-    if name not in ("torch", "triton"):
+    if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
     if name == "triton":
         if not triton_installed:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pagedserve.config import KV_CACHE_DTYPES
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 CALIBRATION_HEADROOM = 2.0
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16")
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

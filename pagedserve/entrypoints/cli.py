@@ -47,34 +47,30 @@ SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and accurately."
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, with its default, choices and help (config.py holds them)."""
+    import dataclasses
+    import typing
+
+    from pagedserve.config import EngineConfig
+
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    # kv_quant.KV_CACHE_DTYPES, spelled out: importing it would import torch and slow --help.
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16"],
-                   help="KV cache element type: auto (the model's dtype) or fp8 (e4m3, per-tensor scales)")
-    g.add_argument("--calculate-kv-scales", action="store_true",
-                   help="fp8 KV cache: set each layer's scales from the first forward pass (default 1.0)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: share of GPU memory for weights, activations and the KV cache")
-    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
-    g.add_argument("--seed", type=int, default=0)
+    types = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = next(t for t in typing.get_args(types[f.name]) or (types[f.name],) if t is not type(None))
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            g.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+                           help=f"{f.metadata['help']} (default: {f.default})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
-             "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "attention_backend",
-             "kv_cache_dtype", "calculate_kv_scales", "gpu_memory_utilization", "enforce_eager", "seed"]
-    return {name: getattr(args, name) for name in names}
+    import dataclasses
+
+    from pagedserve.config import EngineConfig
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:

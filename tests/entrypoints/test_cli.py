@@ -17,6 +17,27 @@ def test_every_engine_field_has_a_flag():
     assert set(engine_kwargs(args)) == {f.name for f in dataclasses.fields(EngineConfig)}
 
 
+def test_engine_flags_take_their_defaults_choices_and_help_from_the_config():
+    parser = build_parser()
+    assert EngineConfig(**engine_kwargs(parser.parse_args(["serve"]))) == EngineConfig()
+    actions = {a.dest: a for a in parser._subparsers._group_actions[0].choices["serve"]._actions}
+    for f in dataclasses.fields(EngineConfig):
+        assert actions[f.name].default == f.default
+        assert f.metadata["help"] in actions[f.name].help
+        assert actions[f.name].choices == f.metadata["choices"]
+    assert actions["kv_cache_dtype"].choices == ("auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16")
+    args = parser.parse_args(["serve", "--no-enable-prefix-caching", "--max-model-len", "512"])
+    assert (args.enable_prefix_caching, args.max_model_len) == (False, 512)
+
+
+def test_building_the_flags_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from pagedserve.entrypoints.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_engine_flags_build_the_config():
     args = build_parser().parse_args([
         "generate", "hi", "--kv-cache-dtype", "fp8", "--calculate-kv-scales", "--gpu-memory-utilization", "0.5",
