@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from pagedserve.attention import torch_ref, triton_paged
 from pagedserve.attention.kv_quant import quantize
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kv.sizes import cdiv
 
 
 def timeit(fn, device, reps: int) -> float:
@@ -39,7 +40,7 @@ def timeit(fn, device, reps: int) -> float:
 
 
 def decode_case(batch, context, heads, kv_heads, dim, dtype, device, block_size=16):
-    blocks_per_req = -(-context // block_size)
+    blocks_per_req = cdiv(context, block_size)
     perm = torch.randperm(batch * blocks_per_req).tolist()
     tables = [perm[i * blocks_per_req:(i + 1) * blocks_per_req] for i in range(batch)]
     shape = (batch * blocks_per_req, block_size, kv_heads, dim)

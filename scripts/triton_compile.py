@@ -37,6 +37,7 @@ from triton.runtime.jit import create_function_from_signature
 from pagedserve.attention import triton_paged
 from pagedserve.attention.kv_quant import FP8_DTYPE
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kv.sizes import cdiv
 
 KERNELS = ("_write_kv", "_decode", "_combine", "_prefill")
 # (name, block size, KV heads, query heads per KV head, head size)
@@ -77,7 +78,7 @@ def record_step(block_size: int, kv_heads: int, group: int, dim: int, model_dtyp
     """The launches of one step: decodes (one of 70 blocks, so split-K cuts it when `split`),
     a fresh prompt, and a chunk behind a prefix-cache hit."""
     reqs = [(70 * block_size - 5, 1), (3, 1), (0, 20), (2 * block_size, 7)]  # (cached, new) tokens
-    needed = [-(-(c + n) // block_size) for c, n in reqs]
+    needed = [cdiv(c + n, block_size) for c, n in reqs]
     tables = [list(range(sum(needed[:i]), sum(needed[:i + 1]))) for i in range(len(reqs))]
     md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
     num_tokens = sum(n for _, n in reqs)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pagedserve.kv.sizes import cdiv
+
 # A decode group ends where a request's context falls below DECODE_GROUP_RATIO of the group's
 # longest (padding then wastes under 20% of the K/V a group reads), or where it would hold more
 # than DECODE_GROUP_MAX_KEYS keys in all (1.5 MB each of K and V per layer for the embedded model, so
@@ -78,7 +80,7 @@ class AttentionMetadata:
         decodes = [i for i in range(self.num_reqs) if qsl[i + 1] - qsl[i] == 1]
         groups = []
         for members in _group_by_length(sorted(decodes, key=lambda i: -seq_lens[i]), seq_lens):
-            num_blocks = -(-seq_lens[members[0]] // self.block_size)
+            num_blocks = cdiv(seq_lens[members[0]], self.block_size)
             groups.append(DecodeGroup(
                 token_indices=torch.tensor([qsl[i] for i in members], dtype=torch.int64, device=device),
                 block_ids=self.block_tables[torch.tensor(members, device=device), :num_blocks].flatten(),
@@ -113,7 +115,7 @@ class AttentionMetadata:
         if num_reqs == 0 or not num_reqs == len(num_computed_tokens) == len(num_new_tokens):
             raise ValueError("need one block table, computed count and new count per request, and at least one request")
         seq_lens = [c + n for c, n in zip(num_computed_tokens, num_new_tokens)]
-        needed = [-(-s // block_size) for s in seq_lens]
+        needed = [cdiv(s, block_size) for s in seq_lens]
         for i, (table, need) in enumerate(zip(block_tables, needed)):
             if num_new_tokens[i] < 1 or num_computed_tokens[i] < 0:
                 raise ValueError(f"request {i}: needs at least one new token and no negative computed count")

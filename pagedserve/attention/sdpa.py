@@ -25,6 +25,7 @@ from torch import Tensor
 from pagedserve.attention import cpu_kernel
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_ref import attend, gather_blocks, store_kv, unit_scales, visible
+from pagedserve.kv.sizes import cdiv
 
 
 def paged_attention(
@@ -54,7 +55,7 @@ def paged_attention(
     qsl = md.query_start_loc_cpu
     for i in md.prefill_req_indices:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
-        blocks = md.block_tables[i, : -(-seq_len // block_size)]
+        blocks = md.block_tables[i, : cdiv(seq_len, block_size)]
         keys = gather_blocks(k_blocks, blocks, q.dtype, kv_scales[0]).view(-1, num_kv_heads, head_dim)[:seq_len]
         values = gather_blocks(v_blocks, blocks, q.dtype, kv_scales[1]).view(-1, num_kv_heads, head_dim)[:seq_len]
         mask = _prefill_mask(md, i, sliding_window)

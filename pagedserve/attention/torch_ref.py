@@ -15,6 +15,7 @@ from torch import Tensor
 
 from pagedserve.attention.kv_quant import as_bytes, dequantize, is_fp8, quantize
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kv.sizes import cdiv, kv_bytes_per_token
 
 
 class KVCache(NamedTuple):
@@ -52,7 +53,7 @@ def num_blocks_for_bytes(
     budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
     """How many blocks allocate_kv_cache can make within budget_bytes (K and V, all layers)."""
-    per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype.itemsize)
     return budget_bytes // per_block
 
 
@@ -91,7 +92,7 @@ def paged_attention(
     qsl, block_size = md.query_start_loc_cpu, md.block_size
     for i in md.prefill_req_indices:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
-        table = md.block_tables[i, : -(-seq_len // block_size)]
+        table = md.block_tables[i, : cdiv(seq_len, block_size)]
         keys = gather_blocks(k_cache, table, q.dtype, kv_scales[0]).flatten(0, 1)[:seq_len]
         values = gather_blocks(v_cache, table, q.dtype, kv_scales[1]).flatten(0, 1)[:seq_len]
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device).unsqueeze(1)

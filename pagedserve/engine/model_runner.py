@@ -17,6 +17,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.kv import BlockCopy
+from pagedserve.kv.sizes import cdiv
 from pagedserve.models.config import ModelConfig
 
 
@@ -66,7 +67,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         total_tokens = self.config.max_num_batched_tokens
         lens = [min(max_model_len, total_tokens - start) for start in range(0, total_tokens, max_model_len)]
-        blocks = [-(-n // self.block_size) for n in lens]
+        blocks = [cdiv(n, self.block_size) for n in lens]
         self.allocate_kv_cache(sum(blocks))
         tables = [list(range(sum(blocks[:i]), sum(blocks[:i + 1]))) for i in range(len(lens))]
         torch.cuda.synchronize(self.device)
@@ -94,7 +95,7 @@ class ModelRunner:
             if not capture:
                 return
         self.decode_graphs = DecodeGraphs(
-            self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs), -(-max_model_len // self.block_size),
+            self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs), cdiv(max_model_len, self.block_size),
             self.block_size, self.config.attention_backend, self.device, capture=capture)
 
     def _metadata(self, block_tables, computed, num_new) -> AttentionMetadata:

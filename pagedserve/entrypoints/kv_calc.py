@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from pagedserve.kv.sizes import kv_bytes_per_token
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 
@@ -22,7 +24,7 @@ class KVShape:
     max_context: int
 
     def bytes_per_token(self, dtype: str) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, DTYPE_BYTES[dtype])
 
 
 PRESETS = {

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.kv.sizes import kv_bytes_per_token
+
 # model_type -> the transformers class our decoder reproduces. SmolLM2 is model_type "llama".
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -63,7 +65,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype.itemsize)
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> ModelConfig:
