@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return SamplingParams
     if name == "BeamSearchParams":
-        from pagedserve.engine.beam_search import BeamSearchParams
+        from pagedserve.sampling_params import BeamSearchParams
 
         return BeamSearchParams
     if name in ("RequestOutput", "CompletionOutput"):

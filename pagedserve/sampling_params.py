@@ -135,3 +135,27 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """How to beam-search one prompt (vLLM's names); invalid values raise ParameterError."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # accepted for vLLM compatibility; only 0 (deterministic) is supported
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Each round asks the engine for 2 x beam_width logprobs: that count must fit int64 too.
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= INT64_MAX // 2:
+            raise ParameterError("beam_width", f"beam_width must be an int >= 1, got {self.beam_width!r}")
+        if not _is_int64(self.max_tokens) or self.max_tokens < 1:
+            raise ParameterError("max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ParameterError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.temperature != 0.0:
+            raise ParameterError("temperature", f"temperature must be 0 for beam search, got {self.temperature!r}")
+        if not _is_real(self.length_penalty):
+            raise ParameterError("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")

@@ -175,6 +175,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.requests:
             return []
+        self._record_usage()
         rows, samplers = self._samplers(plan)
         # The generators this step may draw from, to replay it exactly after a fault.
         states = [(r.generator, r.generator.get_state()) for r in samplers
@@ -391,9 +392,13 @@ class LLMEngine:
         return output
 
     def _record_step(self, seconds: float) -> None:
+        self.stats.num_steps += 1
+        self.stats.busy_seconds += seconds
+
+    def _record_usage(self) -> None:
+        """Called once a step is planned, when the pool is at its fullest for that step (the
+        requests that finish in it free their blocks before it ends)."""
         stats = self.stats
-        stats.num_steps += 1
-        stats.busy_seconds += seconds
         used = self.kv.pool.num_used
         if used > stats.peak_used_blocks:  # rare after warm-up: the full figures are cheap enough
             stats.peak_used_blocks = used

@@ -9,10 +9,10 @@ from typing import Any, Union
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.beam_search import BeamSearchParams, run_beam_search
+from pagedserve.entrypoints.beam_search import beam_search
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.text import check_unicode
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
@@ -96,7 +96,7 @@ class LLM:
             raise ValueError(f"params must be a BeamSearchParams, got {_kind(params)}")
         engine = self.llm_engine
         token_prompts = [engine.tokenize(_prompt_input(p)[1])[1] for p in _as_prompt_list(prompts)]
-        return run_beam_search(engine, token_prompts, params)
+        return beam_search(engine, token_prompts, params)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -8,10 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.beam_search import BeamSearchParams
 from pagedserve.engine.llm_engine import LLMEngine, find_culprits
 from pagedserve.entrypoints.llm import LLM
-from pagedserve.models.loader import load_model
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.fault_injection import forward_fails_for
 
@@ -179,57 +177,4 @@ def test_a_request_whose_token_handling_fails_ends_alone(embedded_model, embedde
     finished = run(engine)
     assert finished["bad"].outputs[0].finish_reason == "error" and "injected" in finished["bad"].error
     assert [finished[f"ok{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == alone
-    assert_all_free(engine)
-
-
-# ---- beam search -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_checkpoint):
-    path, hf_model = tiny_checkpoint("llama")
-    return load_model(str(path)), hf_model
-
-
-def beam_llm(tiny_llama, tokenizer, num_kv_blocks: int, **overrides) -> LLM:
-    config = EngineConfig(**(dict(num_kv_blocks=num_kv_blocks, block_size=4, max_model_len=24) | overrides))
-    return LLM.from_engine(LLMEngine(config, model=tiny_llama[0], tokenizer=tokenizer))
-
-
-# Pools too small for every beam at once (these livelocked: beams waiting for their search held
-# the blocks their siblings needed), and a preempted beam whose next tokens were already known.
-TIGHT_BEAMS = [
-    (6, 16, 2, [[74, 56, 24, 103, 33, 3, 31, 123], [86, 22]]),
-    (7, 4, 4, [[96, 84], [42, 121, 41, 89, 125, 97, 113], [42, 104, 52, 64, 40, 89, 18, 77], [94, 16]]),
-    (8, 8, 3, [[39, 113, 62, 62, 92, 74], [92, 62, 51, 13, 96]]),
-    (10, 2048, 4, [[5, 17, 33, 8, 90, 61, 12], [44, 3, 101], [7, 7, 9, 120, 1, 64]]),
-]
-
-
-@pytest.mark.parametrize(("num_blocks", "budget", "width", "prompts"), TIGHT_BEAMS)
-def test_beam_search_in_a_pool_too_small_for_all_its_beams(tiny_llama, embedded_tokenizer, num_blocks, budget,
-                                                           width, prompts):
-    params = BeamSearchParams(beam_width=width, max_tokens=12, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in prompts]
-    roomy = beam_llm(tiny_llama, embedded_tokenizer, 256).beam_search(prompts, params)
-    tight = beam_llm(tiny_llama, embedded_tokenizer, num_blocks, max_num_batched_tokens=budget)
-    outputs = tight.beam_search(prompts, params)
-    assert tight.llm_engine.num_preemptions > 0
-    assert [[s.tokens for s in o.sequences] for o in outputs] == [[s.tokens for s in o.sequences] for o in roomy]
-    assert_all_free(tight.llm_engine)
-
-
-def test_a_beam_that_breaks_the_step_fails_its_search_cleanly(tiny_llama, embedded_tokenizer):
-    llm = beam_llm(tiny_llama, embedded_tokenizer, 64)
-    engine = llm.llm_engine
-    real = engine.runner.execute
-
-    def execute(plan, rows):
-        if any(r.beam_width and r.num_tokens > 9 for r in plan.requests):
-            raise RuntimeError("injected fault")
-        return real(plan, rows)
-
-    engine.runner.execute = execute
-    with pytest.raises(RuntimeError, match="failed on a beam"):
-        llm.beam_search([{"prompt_token_ids": TIGHT_BEAMS[3][3][0]}], BeamSearchParams(beam_width=2, max_tokens=8))
     assert_all_free(engine)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.beam_search import BeamSearchParams
+from pagedserve.sampling_params import BeamSearchParams
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams
