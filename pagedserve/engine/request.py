@@ -50,6 +50,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
+        # Chained prefix-cache hashes of all_token_ids' leading full blocks, extended by the KV
+        # manager: tokens only ever grow, so they stay valid across preemptions and failed steps.
+        self.block_hashes: list[bytes] = []
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -94,7 +94,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs and not self._park_idle_beam():
                 break
             request = self.waiting[0]
-            num_cached = self.kv.admit(request.request_id, request.all_token_ids, num_new_tokens=budget)
+            num_cached = self.kv.admit(request.request_id, request.all_token_ids, num_new_tokens=budget,
+                                       block_hashes=request.block_hashes)
             if num_cached is None:
                 if self._park_idle_beam():
                     continue
@@ -135,7 +136,7 @@ class Scheduler:
         if parent.request_id not in self.kv:
             self.waiting.appendleft(child)
             return
-        self.kv.fork(parent.request_id, child.request_id)
+        self.kv.fork(parent.request_id, child.request_id, child.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)

@@ -12,11 +12,15 @@ from typing import Iterable, Iterator
 class Block:
     """One physical block of `block_size` token slots."""
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "num_tokens", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
+        # Slots holding a token. Every table holding the block agrees on it: only full blocks
+        # are shared by the prefix cache, and a shared partial block is copied before a write.
+        # Kept while the block is free (a cached block still holds its tokens).
+        self.num_tokens = 0
         # Set while the block holds a full block of cached prefix that others may hit.
         self.block_hash: bytes | None = None
         # Links of the intrusive free queue; both None while the block is in use.
@@ -89,6 +93,8 @@ class BlockPool:
 
     A block with ref count 0 is free and sits in the free queue. If it holds a cached full
     block it keeps its hash until it is taken for reuse, so a later request can still hit it.
+
+    The figures are counters kept up to date by every call, so reading them is O(1).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -99,6 +105,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
+        self.num_cached_free = 0  # free blocks that still hold a findable cached prefix
+        self.num_filled_slots = 0  # sum of `num_tokens` over the blocks in use
 
     @property
     def num_free(self) -> int:
@@ -107,11 +115,6 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_queue)
-
-    @property
-    def num_cached_free(self) -> int:
-        """Free blocks that still hold a findable cached prefix."""
-        return sum(1 for b in self.cached.values() if b.ref_count == 0)
 
     def allocate(self, n: int) -> list[Block]:
         """Take `n` free blocks (ref count 1 each), evicting cached content in LRU order."""
@@ -122,6 +125,7 @@ class BlockPool:
             block = self.free_queue.popleft()
             self._forget(block)
             block.ref_count = 1
+            block.num_tokens = 0  # whatever it held is overwritten
             taken.append(block)
         return taken
 
@@ -130,6 +134,9 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
+                self.num_filled_slots += block.num_tokens
+                if block.block_hash is not None:
+                    self.num_cached_free -= 1
             block.ref_count += 1
 
     def release(self, blocks: Iterable[Block]) -> None:
@@ -142,10 +149,18 @@ class BlockPool:
             assert block.ref_count > 0, f"{block} released more often than referenced"
             block.ref_count -= 1
             if block.ref_count == 0:
+                self.num_filled_slots -= block.num_tokens
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
+                    self.num_cached_free += 1
+
+    def set_num_tokens(self, block: Block, num_tokens: int) -> None:
+        """Record how many slots of an in-use block now hold a token."""
+        assert block.ref_count > 0, f"{block} is not in use"
+        self.num_filled_slots += num_tokens - block.num_tokens
+        block.num_tokens = num_tokens
 
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash) if self.enable_caching else None
@@ -156,6 +171,7 @@ class BlockPool:
         If another block already holds the same content, the first one stays the cached copy
         and `block` remains private: it is simply not findable.
         """
+        assert block.ref_count > 0, f"{block} is not in use"  # so it counts in no free figure
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
             return False
         block.block_hash = block_hash
@@ -182,3 +198,5 @@ class BlockPool:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
             block.block_hash = None
+            if block.ref_count == 0:
+                self.num_cached_free -= 1

@@ -7,6 +7,10 @@ unfilled tail of the last block.
 
 Every allocating call is all-or-nothing: when the pool cannot cover it, nothing changes and
 the caller gets `None`, so the scheduler can preempt someone and try again.
+
+A request's prefix-cache hashes live in a list its caller owns and passes to `admit` (the
+engine keeps one per `Request`): the manager extends it in place as blocks fill, so each full
+block is hashed once in the request's life, across failed admissions and preemptions.
 """
 
 from __future__ import annotations
@@ -67,12 +71,16 @@ class KVCacheStats:
 class _Table:
     """What the manager knows about one request."""
 
-    __slots__ = ("blocks", "num_tokens", "hashes", "extra_keys")
+    __slots__ = ("blocks", "num_tokens", "hashes", "num_offered", "extra_keys")
 
-    def __init__(self, blocks: list[Block], num_tokens: int, hashes: list[bytes], extra_keys: object):
+    def __init__(self, blocks: list[Block], num_tokens: int, hashes: list[bytes], num_offered: int,
+                 extra_keys: object):
         self.blocks = blocks
         self.num_tokens = num_tokens  # tokens with a slot reserved (computed or scheduled now)
-        self.hashes = hashes  # chained hashes of the leading full blocks
+        # Chained hashes of the request's leading full blocks (the caller's list, or the
+        # table's own); may run ahead of the table, after a prefix lookup of the whole prompt.
+        self.hashes = hashes
+        self.num_offered = num_offered  # leading blocks already offered to the prefix cache
         self.extra_keys = extra_keys
 
 
@@ -106,26 +114,26 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def find_cached_prefix(self, token_ids: Sequence[int], extra_keys: object = None) -> tuple[list[Block], list[bytes]]:
-        """The longest run of cached full blocks that starts `token_ids`, and their hashes.
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], extra_keys: object = None, block_hashes: list[bytes] | None = None
+    ) -> list[Block]:
+        """The longest run of cached full blocks that starts `token_ids`.
 
         At least the last token is always left out, so the model still has one token to run
-        and produce logits from.
+        and produce logits from. `block_hashes` (the chained hashes of `token_ids`' leading
+        full blocks known so far) is reused, and extended with each block hashed here.
         """
         if not self.enable_prefix_caching:
-            return [], []
-        bs = self.block_size
+            return []
+        hashes = [] if block_hashes is None else block_hashes
         blocks: list[Block] = []
-        hashes: list[bytes] = []
-        parent = None
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
-            block = self.pool.lookup(parent)
+        for i in range((len(token_ids) - 1) // self.block_size):
+            self._hash_blocks(hashes, token_ids, i + 1, extra_keys)  # lazily: a miss ends the walk
+            block = self.pool.lookup(hashes[i])
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(parent)
-        return blocks, hashes
+        return blocks
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (e.g. between benchmark runs). False while any request
@@ -140,18 +148,24 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_new_tokens: int | None = None,
         extra_keys: object = None,
+        block_hashes: list[bytes] | None = None,
     ) -> int | None:
-        """Give a new request a block table.
+        """Give a new (or preempted) request a block table.
 
         Reuses the longest cached prefix, then reserves slots for up to `num_new_tokens` of the
         remaining tokens (all of them by default). Returns how many tokens came from the prefix
-        cache, or None (and changes nothing) when the pool cannot cover the request.
+        cache, or None (and changes nothing but `block_hashes`) when the pool cannot cover it.
+
+        `block_hashes` is the request's own list of chained block hashes (empty at first; only
+        valid for these `token_ids` and `extra_keys`, which may only grow). The manager extends
+        it in place, also later in `grow`, so pass the same list on every admission attempt.
         """
         if req_id in self._tables:
             raise ValueError(f"request {req_id!r} already has a block table")
         if not token_ids:
             raise ValueError("cannot admit a request with no tokens")
-        hit, hashes = self.find_cached_prefix(token_ids, extra_keys)
+        hashes = [] if block_hashes is None else block_hashes
+        hit = self.find_cached_prefix(token_ids, extra_keys, hashes)
         num_cached = len(hit) * self.block_size
         remaining = len(token_ids) - num_cached
         n = remaining if num_new_tokens is None else min(remaining, num_new_tokens)
@@ -161,9 +175,10 @@ class KVCacheManager:
         num_revived = sum(1 for b in hit if b.ref_count == 0)
         if num_new_blocks + num_revived > self.pool.num_free:
             return None
-        self.pool.touch(hit)
-        table = _Table(hit + self.pool.allocate(num_new_blocks), num_cached + n, hashes, extra_keys)
+        self.pool.touch(hit)  # hit blocks are full: their token count is already right
+        table = _Table(hit + self.pool.allocate(num_new_blocks), num_cached + n, hashes, len(hit), extra_keys)
         self._tables[req_id] = table
+        self._count_tokens(table, len(hit))
         self.prefix_queries += len(token_ids)
         self.prefix_hits += num_cached
         self._cache_full_blocks(table, token_ids)
@@ -202,19 +217,31 @@ class KVCacheManager:
             self.pool.release([shared])
             copies.append((shared.block_id, private.block_id))
             self.cow_copies += 1
+        first_written = table.num_tokens // self.block_size
         table.num_tokens += num_new_tokens
         table.blocks += self.pool.allocate(cdiv(table.num_tokens, self.block_size) - len(table.blocks))
+        self._count_tokens(table, first_written)
         if token_ids is not None:
             self._cache_full_blocks(table, token_ids)
         return copies
 
-    def fork(self, parent_id: RequestId, child_id: RequestId) -> None:
-        """Give `child_id` a table sharing every block of `parent_id` (parallel sampling)."""
+    def fork(self, parent_id: RequestId, child_id: RequestId, block_hashes: list[bytes] | None = None) -> None:
+        """Give `child_id` a table sharing every block of `parent_id` (parallel sampling).
+
+        The child's tokens match the parent's only as far as the table goes, so it inherits
+        the hashes of the full blocks there: into `block_hashes`, the child's own list (whose
+        contents are replaced), if given.
+        """
         if child_id in self._tables:
             raise ValueError(f"request {child_id!r} already has a block table")
         parent = self._tables[parent_id]
         self.pool.touch(parent.blocks)
-        self._tables[child_id] = _Table(list(parent.blocks), parent.num_tokens, list(parent.hashes), parent.extra_keys)
+        num_full = parent.num_tokens // self.block_size
+        hashes = [] if block_hashes is None else block_hashes
+        hashes[:] = parent.hashes[:num_full]
+        self._tables[child_id] = _Table(
+            list(parent.blocks), parent.num_tokens, hashes, min(parent.num_offered, num_full), parent.extra_keys
+        )
 
     def free(self, req_id: RequestId) -> None:
         """Drop the request's table; a no-op for a request that holds none.
@@ -246,36 +273,41 @@ class KVCacheManager:
             return False  # the next token starts a fresh block
         return table.blocks[table.num_tokens // self.block_size].ref_count > 1
 
+    def _count_tokens(self, table: _Table, first: int) -> None:
+        """Tell the pool how many tokens the table's blocks from index `first` on now hold."""
+        bs = self.block_size
+        for i in range(first, len(table.blocks)):
+            self.pool.set_num_tokens(table.blocks[i], min(bs, table.num_tokens - i * bs))
+
+    def _hash_blocks(self, hashes: list[bytes], token_ids: Sequence[int], num_blocks: int, extra_keys: object) -> None:
+        """Extend `hashes` to the first `num_blocks` full blocks of `token_ids`."""
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], extra_keys))
+
     def _cache_full_blocks(self, table: _Table, token_ids: Sequence[int]) -> None:
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        num_full = min(table.num_tokens, len(token_ids)) // bs
-        for i in range(len(table.hashes), num_full):
-            parent = table.hashes[-1] if table.hashes else None
-            block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs], table.extra_keys)
-            table.hashes.append(block_hash)
-            if self.pool.cache(table.blocks[i], block_hash):
+        num_full = min(table.num_tokens, len(token_ids)) // self.block_size
+        self._hash_blocks(table.hashes, token_ids, num_full, table.extra_keys)
+        for i in range(table.num_offered, num_full):
+            if self.pool.cache(table.blocks[i], table.hashes[i]):
                 self._unconfirmed.append(table.blocks[i])
+        table.num_offered = max(table.num_offered, num_full)
 
     # ---- figures -------------------------------------------------------------------------
 
     def stats(self) -> KVCacheStats:
-        bs = self.block_size
-        filled: dict[int, int] = {}  # physical block -> tokens it holds (max over sharers)
-        for table in self._tables.values():
-            for i, block in enumerate(table.blocks):
-                n = min(bs, table.num_tokens - i * bs)
-                if n > filled.get(block.block_id, 0):
-                    filled[block.block_id] = n
+        """O(1): every figure is a counter kept by the pool or here (the tests check them all
+        against a walk over every table, tests/kv/stats_oracle.py)."""
         pool = self.pool
         return KVCacheStats(
             total_blocks=pool.num_blocks,
             free_blocks=pool.num_free,
             used_blocks=pool.num_used,
             cached_free_blocks=pool.num_cached_free,
-            reserved_slots=pool.num_used * bs,
-            filled_slots=sum(filled.values()),
+            reserved_slots=pool.num_used * self.block_size,
+            filled_slots=pool.num_filled_slots,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             cow_copies=self.cow_copies,

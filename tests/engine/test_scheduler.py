@@ -119,3 +119,27 @@ def test_prefix_cache_hit_skips_computation():
     s.add(b)
     plan = run_step(s)
     assert plan.num_new_tokens[plan.requests.index(b)] == 2 and b.num_cached_tokens == 8
+
+
+def test_a_request_hashes_each_full_block_once_across_retries_preemption_and_growth(monkeypatch):
+    from pagedserve.kv import kv_cache_manager
+
+    calls = []  # (parent hash, block tokens) of every block hash computed
+    real = kv_cache_manager.hash_block
+    monkeypatch.setattr(kv_cache_manager, "hash_block",
+                        lambda parent, tokens, extra=None: calls.append((parent, tuple(tokens))) or real(parent, tokens, extra))
+    s = make(num_blocks=4, block_size=4, caching=True)
+    a, b = request("a", 7), request("b", 7, first_token=50)
+    s.add(a)
+    s.add(b)
+    for _ in range(3):
+        run_step(s)  # the third preempts b
+    for _ in range(3):
+        run_step(s)  # b retries admission every step: 1 block free, it needs 3
+        assert b.status is RequestStatus.WAITING
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    for _ in range(8):
+        run_step(s)  # b is admitted again and decodes to fill a 4th block
+    assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == 16
+    assert len(calls) == len(set(calls)) == len(a.block_hashes) + len(b.block_hashes)
+    assert len(b.block_hashes) == 4

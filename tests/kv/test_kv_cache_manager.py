@@ -1,6 +1,6 @@
 import pytest
 
-from pagedserve.kv import KVCacheManager, hash_block
+from pagedserve.kv import KVCacheManager, hash_block, kv_cache_manager
 
 
 def refs(m, block_ids):
@@ -175,3 +175,48 @@ def test_bad_calls_raise():
     m.free("A")
     m.free("A")  # idempotent
     assert m.num_free_blocks == 4
+
+
+def count_hash_calls(monkeypatch):
+    """Record every block hash computed, as (parent hash, block tokens)."""
+    calls = []
+    real = kv_cache_manager.hash_block
+
+    def counting(parent, token_ids, extra_keys=None):
+        calls.append((parent, tuple(token_ids)))
+        return real(parent, token_ids, extra_keys)
+
+    monkeypatch.setattr(kv_cache_manager, "hash_block", counting)
+    return calls
+
+
+def test_each_full_block_of_a_request_is_hashed_once(monkeypatch):
+    calls = count_hash_calls(monkeypatch)
+    m = KVCacheManager(num_blocks=4, block_size=4)
+    m.admit("other", list(range(100, 109)))  # 3 of the 4 blocks
+    calls.clear()
+    prompt, hashes = list(range(10)), []  # 2 full blocks + 2 tokens: needs 3 blocks
+    for _ in range(5):  # the scheduler retries every step while the pool is short
+        assert m.admit("r", prompt, block_hashes=hashes) is None
+    assert len(calls) == 1  # the lookup stops at the first miss, and remembers that hash
+    m.free("other")
+    assert m.admit("r", prompt, block_hashes=hashes) == 0
+    assert len(calls) == 2 and len(hashes) == 2
+    tokens = prompt + [10, 11, 12, 13, 14, 15]
+    for n in range(11, 17):  # decode one token at a time up to 4 full blocks
+        m.grow("r", 1, tokens[:n])
+    assert len(calls) == 4 and len(hashes) == 4
+    m.free("r")  # preempted: its hashes stay valid and come back with it
+    assert m.admit("r", tokens, num_new_tokens=1, block_hashes=hashes) == 12
+    child_hashes = []
+    m.fork("r", "child", child_hashes)
+    assert child_hashes == hashes[:3]  # the table holds 13 tokens: 3 full blocks are shared
+    assert len(calls) == 4 and len(set(calls)) == 4
+
+
+def test_a_hash_list_is_the_chain_of_the_tokens_with_their_extra_keys():
+    m = KVCacheManager(num_blocks=8, block_size=2)
+    hashes = []
+    m.admit("r", [1, 2, 3, 4, 5], extra_keys="lora-1", block_hashes=hashes)
+    h0 = hash_block(None, [1, 2], "lora-1")
+    assert hashes == [h0, hash_block(h0, [3, 4], "lora-1")]
