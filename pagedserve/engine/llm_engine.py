@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,9 +34,7 @@ class _StepResult:
     """What a step computed, before it is applied."""
 
     samplers: list[Request]  # the requests that take a token this step
-    beam_candidates: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)  # by samplers index
-    sampled_rows: list[int] = field(default_factory=list)  # samplers indices the sampler picked for
-    sampled: SamplerOutput | None = None  # aligned with sampled_rows
+    sampled: SamplerOutput | None  # aligned with samplers (None when there are none)
 
 
 def find_culprits(rows: list[int], error: Exception,
@@ -208,30 +206,13 @@ class LLMEngine:
         """The part of a step that can fail: the forward pass and sampling. It changes no
         request: only the K/V slots the plan reserved and the draws of the rows' generators."""
         logits = self.runner.execute(plan, rows)
-        result = _StepResult(samplers)
-        beam_rows = [j for j, r in enumerate(samplers) if r.beam_width]
-        if beam_rows:
-            result.beam_candidates = self._beam_candidates(logits, samplers, beam_rows)
-        result.sampled_rows = [j for j, r in enumerate(samplers) if not r.beam_width]
-        if result.sampled_rows:
-            picked = [samplers[j] for j in result.sampled_rows]
-            batch = SamplingBatch.build(
-                [r.sampling_params for r in picked], [r.prompt_token_ids for r in picked],
-                [r.output_token_ids for r in picked], [r.generator for r in picked],
-                self.eos_token_ids, logits.device)
-            result.sampled = self.sampler(logits[result.sampled_rows] if beam_rows else logits, batch)
-        return result
-
-    @staticmethod
-    def _beam_candidates(logits: torch.Tensor, requests: list[Request],
-                         rows: list[int]) -> dict[int, tuple[list[float], list[int]]]:
-        """Each beam row's top 2 * beam_width (logprobs, tokens), by its index in `requests`."""
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
-        candidates = {}
-        for row, j in zip(logprobs, rows):
-            values, tokens = row.topk(2 * requests[j].beam_width)
-            candidates[j] = (values.tolist(), tokens.tolist())
-        return candidates
+        if not samplers:  # every request of the step is a prefill chunk with more to come
+            return _StepResult(samplers, None)
+        batch = SamplingBatch.build(
+            [r.sampling_params for r in samplers], [r.prompt_token_ids for r in samplers],
+            [r.output_token_ids for r in samplers], [r.generator for r in samplers], self.eos_token_ids,
+            logits.device)
+        return _StepResult(samplers, self.sampler(logits, batch))
 
     def _commit(self, plan: SchedulerOutput, result: _StepResult) -> list[RequestOutput]:
         """Apply a computed step: the tokens are in the cache, forks start, tokens are appended."""
@@ -239,13 +220,10 @@ class LLMEngine:
         for request in result.samplers:
             for child in self._pending_forks.pop(request.request_id, ()):
                 self.scheduler.fork(request, child)
-        for j, candidates in result.beam_candidates.items():
-            result.samplers[j].beam_candidates = candidates
         touched: dict[str, None] = {}
         outputs = []
         now = time.monotonic()
-        for k, j in enumerate(result.sampled_rows):
-            request = result.samplers[j]
+        for k, request in enumerate(result.samplers):
             if request.is_finished:
                 continue  # its group failed on an earlier row
             try:
@@ -302,11 +280,9 @@ class LLMEngine:
 
     def _fail(self, request: Request, message: str) -> RequestOutput | None:
         """End the request's whole group with an error; its final output, carrying `message`
-        (None for a beam, whose search sees the status, or a group ended already)."""
+        (None if the group has ended already: two of its samples were at fault)."""
         group_id = request.group_id
         if group_id not in self._groups:
-            if not request.is_finished:
-                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
             return None
         self._end_group(self._groups[group_id], RequestStatus.FINISHED_ERROR)
         output = self._make_output(group_id)
@@ -400,7 +376,7 @@ class LLMEngine:
         requests that finish in it free their blocks before it ends)."""
         stats = self.stats
         used = self.kv.pool.num_used
-        if used > stats.peak_used_blocks:  # rare after warm-up: the full figures are cheap enough
+        if used > stats.peak_used_blocks:
             stats.peak_used_blocks = used
             stats.kv_at_peak = self.kv.stats()
 

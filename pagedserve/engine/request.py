@@ -66,9 +66,6 @@ class Request:
         self.output_text = ""
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_token_time: float | None = None
-        # Beam search: the search, not the sampler, picks this request's tokens.
-        self.beam_width = 0  # > 0: a beam of a search this wide
-        self.beam_candidates: tuple[list[float], list[int]] | None = None  # top (logprobs, tokens)
         self.finish_time: float | None = None
 
     @property

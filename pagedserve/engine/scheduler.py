@@ -69,19 +69,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:
-                i += 1  # a beam waiting for its search to pick its next token
-                continue
             copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
             while copies is None:
-                if self._park_idle_beam():
-                    i = self.running.index(request)  # a parked beam before it shifts it left
-                else:
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    out.preempted.append(victim)
-                    if victim is request:
-                        break
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
                 copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
             if copies is None:
                 break  # the request itself was the newest and is now waiting
@@ -90,15 +84,11 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while not out.preempted and self.waiting and budget > 0:
-            if len(self.running) >= self.max_num_seqs and not self._park_idle_beam():
-                break
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_cached = self.kv.admit(request.request_id, request.all_token_ids, num_new_tokens=budget,
                                        block_hashes=request.block_hashes)
             if num_cached is None:
-                if self._park_idle_beam():
-                    continue
                 break  # not enough free blocks: keep arrival order, try again next step
             self.waiting.popleft()
             if request.num_cached_tokens is None:  # its first admission
@@ -130,12 +120,7 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Start `child` as a running copy of `parent`, sharing all of its blocks; or, if the
-        parent is a parked beam (it holds no blocks), queue the child first, to be computed
-        (mostly from the prefix cache)."""
-        if parent.request_id not in self.kv:
-            self.waiting.appendleft(child)
-            return
+        """Start `child` as a running copy of `parent`, sharing all of its blocks."""
         self.kv.fork(parent.request_id, child.request_id, child.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
@@ -158,18 +143,4 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if request.beam_candidates is None:
-            self.waiting.appendleft(request)
-        # else a beam whose next tokens are known is parked, in no queue: it needs no more
-        # compute, and its search will either end it or fork children from it (see `fork`).
-
-    def _park_idle_beam(self) -> bool:
-        """Preempt the newest running beam that waits for its search to pick its next token.
-        Such beams hold blocks and seats but cannot advance until every beam of their search
-        has its candidates: without parking them, a search whose beams do not all fit at once
-        would wait forever."""
-        idle = next((r for r in reversed(self.running) if r.beam_candidates is not None), None)
-        if idle is None:
-            return False
-        self._preempt(idle)
-        return True
+        self.waiting.appendleft(request)

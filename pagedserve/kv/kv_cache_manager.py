@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from pagedserve.kv.block_pool import Block, BlockPool
+from pagedserve.kv.sizes import cdiv
 
 RequestId = Hashable
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
@@ -36,10 +37,6 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: objec
     if extra_keys is not None:
         h.update(repr(extra_keys).encode())
     return h.digest()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
