@@ -2,9 +2,11 @@
 by a no-op (`DryRunModel`), so that what is left is the engine's own Python and tensor building.
 
 Each scenario is R requests with distinct random prompts of C tokens (no prefix is shared) on a
-pool of P blocks of 16 tokens. All R are prefilled and then run 3 untimed decode steps, so that
-every step timed is a steady decode of exactly R requests (one new token each, contexts C+4 ..
-C+3+N). N decode steps are then timed, each split into parts by wrapping the engine's methods on
+pool of P blocks of 16 tokens. All R are prefilled in one untimed step (the scheduler's token
+budget is raised to R x C for that step only, so that no request decodes while others still
+prefill and all contexts stay equal), then run 3 untimed decode steps under the configured budget,
+so that every step timed is a steady decode of exactly R requests (one new token each, contexts
+C+4 .. C+3+N). N decode steps are then timed, each split into parts by wrapping the engine's methods on
 the instance (`Timers`, monkeypatch-style; the engine's code is not changed):
 
   schedule  Scheduler.schedule
@@ -58,9 +60,8 @@ class DryRunModel(torch.nn.Module):
     runner calls it through Module.__call__ as it calls the real model.
 
     What it skips: the embedding, every layer (attention, K/V slot writes, block gathers, MLP
-    matmuls), the final norm and the LM head. `forward` returns a view of a preallocated zero
-    tensor (reallocated, larger, only if a step ever runs more tokens than it was sized for);
-    `compute_logits` returns a view of a preallocated [rows, vocab] tensor whose every row is the
+    matmuls), the final norm and the LM head. `forward` returns one zero row expanded (a
+    zero-stride view, no memory) to [num_tokens, hidden_size]; `compute_logits` returns a view of a preallocated [rows, vocab] tensor whose every row is the
     same fixed vector: seeded random normal values with `token_id` raised above the maximum. So
     greedy decoding always picks `token_id`, which must not be an EOS id (checked), and a request
     ends only by max_tokens. The sampler works out of place, so sharing the tensor between steps
@@ -79,8 +80,7 @@ class DryRunModel(torch.nn.Module):
     copies would index the empty tensors, and none happen here: no request forks).
     """
 
-    def __init__(self, config: ModelConfig, token_id: int = DEFAULT_TOKEN, max_num_tokens: int = 2048,
-                 max_rows: int = 256, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    def __init__(self, config: ModelConfig, token_id: int = DEFAULT_TOKEN, max_rows: int = 256, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0) -> None:
         super().__init__()
         if not 0 <= token_id < config.vocab_size:
@@ -89,17 +89,14 @@ class DryRunModel(torch.nn.Module):
             raise ValueError(f"token_id {token_id} is an EOS id: decoding would stop")
         self.config = config
         self.token_id = token_id
-        self._hidden = torch.zeros(max_num_tokens, config.hidden_size, dtype=dtype, device=device)
+        self._hidden = torch.zeros(1, config.hidden_size, dtype=dtype, device=device)
         row = torch.randn(config.vocab_size, generator=torch.Generator().manual_seed(seed))
         row[token_id] = row.max() + 1.0
         self._row = row.to(device)
         self._logits = self._row.expand(max_rows, -1).contiguous()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, attn_metadata) -> torch.Tensor:
-        n = input_ids.shape[0]
-        if n > self._hidden.shape[0]:
-            self._hidden = self._hidden.new_zeros(n, self._hidden.shape[1])
-        return self._hidden[:n]
+        return self._hidden.expand(input_ids.shape[0], -1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
@@ -122,8 +119,7 @@ def build_dry_engine(num_blocks: int, tokenizer=None, model_config: ModelConfig 
 
     config = dry_model_config(model_config or load_config())
     engine_config = EngineConfig(device="cpu", num_kv_blocks=num_blocks, **engine_kwargs)
-    model = DryRunModel(config, token_id, max_num_tokens=engine_config.max_num_batched_tokens,
-                        max_rows=engine_config.max_num_seqs)
+    model = DryRunModel(config, token_id, max_rows=engine_config.max_num_seqs)
     return LLMEngine(engine_config, model=(model, config), tokenizer=tokenizer or load_tokenizer())
 
 
@@ -169,8 +165,13 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
         rng = random.Random(seed * 1_000_003 + i)
         engine.add_request(f"o{i}", [rng.randrange(1000, vocab) for _ in range(context)], params)
     scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        engine.step()  # prefill, untimed
+    budget, scheduler.max_num_batched_tokens = scheduler.max_num_batched_tokens, requests * context
+    try:
+        engine.step()  # every prefill at once, untimed
+    finally:
+        scheduler.max_num_batched_tokens = budget
+    if scheduler.waiting or len(scheduler.running) != requests:
+        raise RuntimeError(f"{len(scheduler.running)} of {requests} requests were admitted by the prefill step")
     for _ in range(WARMUP_STEPS):
         engine.step()
     preemptions = scheduler.num_preemptions
