@@ -267,7 +267,7 @@ def cmd_bench_overhead(args: argparse.Namespace) -> None:
 
     threads = args.threads or None
     rows = run_overhead_bench(requests=tuple(args.requests), contexts=tuple(args.contexts), pools=tuple(args.pools),
-                              steps=args.steps, threads=threads)
+                              steps=args.steps, pool_states=tuple(args.pool_states), threads=threads)
     table = format_table(rows, threads)
     print(table)
     save_report(args.out_dir, "bench_overhead", table, lambda png: plot(rows, png), args.json, report(rows, threads))
@@ -418,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     ovh.add_argument("--contexts", type=int, nargs="+", default=[512, 4096], help="prompt tokens per request")
     ovh.add_argument("--pools", type=int, nargs="+", default=[10_000, 1_000_000], help="KV pool sizes in blocks of 16")
     ovh.add_argument("--steps", type=int, default=50, help="timed decode steps per scenario")
+    ovh.add_argument("--pool-states", nargs="+", default=["fresh", "cached"], choices=["fresh", "cached"],
+                     help="fresh: a new engine; cached: every free block holds a cached prefix first (a server "
+                     "that has run a while)")
     ovh.add_argument("--threads", type=int, default=1, help="torch intra-op threads while it runs (0: leave as is)")
     ovh.add_argument("--out-dir", default="docs")
     ovh.add_argument("--json", default=None)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pagedserve.bench.overhead import (
-    DEFAULT_TOKEN, PARTS, DryRunModel, blocks_needed, build_dry_engine, check_targets, format_table,
-    kv_tensor_bytes, run_overhead_bench, run_scenario,
+    DEFAULT_TOKEN, PARTS, DryRunModel, blocks_needed, build_dry_engine, check_targets, fill_prefix_cache,
+    format_table, kv_tensor_bytes, run_overhead_bench, run_scenario,
 )
 from pagedserve.models.loader import load_config
 
@@ -53,13 +53,13 @@ def test_dry_run_logits_are_fixed_and_never_eos(model_config):
 def test_the_table_has_a_row_per_scenario(model_config, embedded_tokenizer):
     # 8 requests of 40 tokens need 8 * 3 blocks at the end: more than a 20-block pool holds.
     assert blocks_needed(8, 40, 3) == 24
-    rows = run_overhead_bench(requests=(1, 8), contexts=(40,), pools=(20, 64), steps=3, tokenizer=embedded_tokenizer,
-                              model_config=model_config, log=lambda line: None)
+    rows = run_overhead_bench(requests=(1, 8), contexts=(40,), pools=(20, 64), steps=3, pool_states=("fresh",),
+                              tokenizer=embedded_tokenizer, model_config=model_config, log=lambda line: None)
     assert [(r.requests, r.pool_blocks, r.skipped is None) for r in rows] == [(1, 20, True), (8, 20, False),
                                                                                (1, 64, True), (8, 64, True)]
     table = format_table(rows)
-    assert "| 8 | 40 | 20 | n/a: needs 24 blocks, more than the pool |" in table
-    assert sum(line.startswith("| 1 | 40 |") or line.startswith("| 8 | 40 |") for line in table.splitlines()) == 4
+    assert "| fresh | 20 | 8 | 40 | n/a: needs 24 blocks, more than the pool |" in table
+    assert sum(line.startswith("| fresh |") for line in table.splitlines()) == 4
     targets = check_targets(rows)
     assert len(targets) == 3 and targets[0][1] is None  # nothing ran at 256 requests
     assert all(t in table for t, _, _ in targets)
@@ -73,3 +73,16 @@ def test_a_million_block_pool_is_real_and_costs_no_kv_bytes(model_config, embedd
     assert kv_tensor_bytes(engine) < 1024  # only the per-layer scales (the real head_dim: ~690 GiB)
     row = run_scenario(engine, requests=2, context=40, steps=2)
     assert row.total_ms > 0 and engine.kv.pool.num_free == 1_000_000
+
+
+def test_a_cached_pool_holds_a_prefix_in_every_free_block(model_config, embedded_tokenizer):
+    engine = build_dry_engine(64, embedded_tokenizer, model_config)
+    assert fill_prefix_cache(engine) == 64
+    pool = engine.kv.pool
+    assert pool.num_free == pool.num_cached_free == 64 and len(pool.cached) == 64
+    engine = build_dry_engine(64, embedded_tokenizer, model_config)
+    row = run_scenario(engine, requests=2, context=40, steps=2, cached_pool=True)
+    assert row.cached_pool and row.total_ms > 0
+    # The requests took (and un-cached) 2 x 3 blocks from the LRU head, made 2 x 2 full blocks of their own
+    # findable, and gave everything back.
+    assert engine.kv.pool.num_free == 64 and len(engine.kv.pool.cached) == 64 - 6 + 4
