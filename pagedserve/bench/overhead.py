@@ -262,10 +262,12 @@ def run_overhead_bench(requests=(1, 64, 256), contexts=(512, 4096), pools=(10_00
         torch.set_num_threads(threads)
     rows = []
     try:
+        # Pool sizes innermost, so that the cells compared for pool independence run back to back
+        # (a neighbour's load on a shared machine then affects both alike); listed sorted.
         for state in pool_states:
-            for pool in pools:
-                for context in contexts:
-                    for n in requests:
+            for context in contexts:
+                for n in requests:
+                    for pool in pools:
                         if blocks_needed(n, context, steps) > pool:
                             row = OverheadRow(n, context, pool, steps, blocks_needed(n, context, steps),
                                               cached_pool=POOL_STATES[state])
@@ -279,7 +281,9 @@ def run_overhead_bench(requests=(1, 64, 256), contexts=(512, 4096), pools=(10_00
                             + (f"n/a ({row.skipped})" if row.skipped else f"{row.total_ms:.2f} ms/step"))
     finally:
         torch.set_num_threads(before)
-    return rows
+    order = {(state, pool, context, n): i for i, (state, pool, context, n) in enumerate(
+        (s, p, c, n) for s in pool_states for p in pools for c in contexts for n in requests)}
+    return sorted(rows, key=lambda r: order[(_state(r), r.pool_blocks, r.context, r.requests)])
 
 
 def _state(row: OverheadRow) -> str:
