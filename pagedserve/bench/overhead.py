@@ -361,7 +361,7 @@ def plot(rows: list[OverheadRow], path: str) -> None:
     ax.set_xlabel("running requests (steady decode)")
     ax.set_ylabel("host ms per step (median)")
     ax.set_title("Engine overhead per step, dry-run model")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
