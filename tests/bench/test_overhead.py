@@ -86,3 +86,22 @@ def test_a_cached_pool_holds_a_prefix_in_every_free_block(model_config, embedded
     # The requests took (and un-cached) 2 x 3 blocks from the LRU head, made 2 x 2 full blocks of their own
     # findable, and gave everything back.
     assert engine.kv.pool.num_free == 64 and len(engine.kv.pool.cached) == 64 - 6 + 4
+
+
+def test_the_cli_writes_the_table_plot_and_json(model_config, embedded_tokenizer, tmp_path, monkeypatch, capsys):
+    import json
+
+    from pagedserve.entrypoints import cli
+    from pagedserve.models import loader
+
+    monkeypatch.setattr(loader, "load_config", lambda model=None: model_config)
+    monkeypatch.setattr(loader, "load_tokenizer", lambda model=None: embedded_tokenizer)
+    threads = torch.get_num_threads()
+    cli.main(["bench", "overhead", "--requests", "1", "2", "--contexts", "20", "--pools", "50", "--steps", "2",
+              "--pool-states", "fresh", "cached", "--out-dir", str(tmp_path), "--json", str(tmp_path / "o.json")])
+    assert torch.get_num_threads() == threads  # the bench's 1 thread is undone
+    assert "| cached | 50 | 2 | 20 |" in capsys.readouterr().out
+    assert (tmp_path / "bench_overhead.md").read_text().count("\n| ") == 1 + 4  # the header and the rows
+    assert (tmp_path / "bench_overhead.png").stat().st_size > 0
+    report = json.loads((tmp_path / "o.json").read_text())
+    assert report["threads"] == 1 and len(report["rows"]) == 4 and len(report["targets"]) == 3
