@@ -4,10 +4,10 @@ by a no-op (`DryRunModel`), so that what is left is the engine's own Python and 
 Each scenario is R requests with distinct random prompts of C tokens (no prefix is shared) on a
 pool of P blocks of 16 tokens. All R are prefilled in one untimed step (the scheduler's token
 budget is raised to R x C for that step only, so that no request decodes while others still
-prefill and all contexts stay equal), then run 3 untimed decode steps under the configured budget,
-so that every step timed is a steady decode of exactly R requests (one new token each, contexts
-C+4 .. C+3+N). N decode steps are then timed, each split into parts by wrapping the engine's methods on
-the instance (`Timers`, monkeypatch-style; the engine's code is not changed):
+prefill and all contexts stay equal), then run 3 untimed decode steps under the configured
+budget, so that every step timed is a steady decode of exactly R requests (one new token each,
+contexts C+4 .. C+3+N). N decode steps are then timed, each split into parts by wrapping the
+engine's methods on the instance (`Timers`, monkeypatch-style; the engine's code is unchanged):
 
   schedule  Scheduler.schedule
   prepare   ModelRunner.execute minus the dry-run model (input ids, AttentionMetadata, the
