@@ -61,8 +61,8 @@ class DryRunModel(torch.nn.Module):
 
     What it skips: the embedding, every layer (attention, K/V slot writes, block gathers, MLP
     matmuls), the final norm and the LM head. `forward` returns one zero row expanded (a
-    zero-stride view, no memory) to [num_tokens, hidden_size]; `compute_logits` returns a view of a preallocated [rows, vocab] tensor whose every row is the
-    same fixed vector: seeded random normal values with `token_id` raised above the maximum. So
+    zero-stride view, no memory) to [num_tokens, hidden_size]; `compute_logits` returns a view of
+    a preallocated [rows, vocab] tensor whose every row is the same fixed vector: seeded random normal values with `token_id` raised above the maximum. So
     greedy decoding always picks `token_id`, which must not be an EOS id (checked), and a request
     ends only by max_tokens. The sampler works out of place, so sharing the tensor between steps
     is safe.
@@ -80,8 +80,8 @@ class DryRunModel(torch.nn.Module):
     copies would index the empty tensors, and none happen here: no request forks).
     """
 
-    def __init__(self, config: ModelConfig, token_id: int = DEFAULT_TOKEN, max_rows: int = 256, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0) -> None:
+    def __init__(self, config: ModelConfig, token_id: int = DEFAULT_TOKEN, max_rows: int = 256,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
         super().__init__()
         if not 0 <= token_id < config.vocab_size:
             raise ValueError(f"token_id {token_id} is outside the vocabulary of {config.vocab_size}")
