@@ -62,10 +62,10 @@ class DryRunModel(torch.nn.Module):
     What it skips: the embedding, every layer (attention, K/V slot writes, block gathers, MLP
     matmuls), the final norm and the LM head. `forward` returns one zero row expanded (a
     zero-stride view, no memory) to [num_tokens, hidden_size]; `compute_logits` returns a view of
-    a preallocated [rows, vocab] tensor whose every row is the same fixed vector: seeded random normal values with `token_id` raised above the maximum. So
-    greedy decoding always picks `token_id`, which must not be an EOS id (checked), and a request
-    ends only by max_tokens. The sampler works out of place, so sharing the tensor between steps
-    is safe.
+    a preallocated [rows, vocab] tensor whose every row is the same fixed vector: seeded random
+    normal values with `token_id` raised above the maximum. So greedy decoding always picks
+    `token_id`, which must not be an EOS id (checked), and a request ends only by max_tokens. The
+    sampler works out of place, so sharing the tensor between steps is safe.
 
     What remains measured is all of the engine's own work: scheduling and KV bookkeeping
     (Scheduler, KVCacheManager, BlockPool), the runner's input and AttentionMetadata building and
