@@ -258,6 +258,17 @@ def cmd_bench_profile(args: argparse.Namespace) -> None:
     save_report(args.out_dir, "bench_profile", table, lambda png: plot(report, png), args.json, report)
 
 
+def cmd_bench_overhead(args: argparse.Namespace) -> None:
+    from pagedserve.bench.overhead import format_table, plot, report, run_overhead_bench
+
+    threads = args.threads or None
+    rows = run_overhead_bench(requests=tuple(args.requests), contexts=tuple(args.contexts), pools=tuple(args.pools),
+                              steps=args.steps, pool_states=tuple(args.pool_states), threads=threads)
+    table = format_table(rows, threads)
+    print(table)
+    save_report(args.out_dir, "bench_overhead", table, lambda png: plot(rows, png), args.json, report(rows, threads))
+
+
 def cmd_bench_serving(args: argparse.Namespace) -> None:
     import asyncio
 
@@ -397,6 +408,19 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out-dir", default="docs")
     prof.add_argument("--json", default=None)
     prof.set_defaults(func=cmd_bench_profile)
+
+    ovh = bench.add_parser("overhead", help="the engine's host time per decode step, by part, with a no-op model")
+    ovh.add_argument("--requests", type=int, nargs="+", default=[1, 64, 256], help="running requests in steady decode")
+    ovh.add_argument("--contexts", type=int, nargs="+", default=[512, 4096], help="prompt tokens per request")
+    ovh.add_argument("--pools", type=int, nargs="+", default=[10_000, 1_000_000], help="KV pool sizes in blocks of 16")
+    ovh.add_argument("--steps", type=int, default=50, help="timed decode steps per scenario")
+    ovh.add_argument("--pool-states", nargs="+", default=["fresh", "cached"], choices=["fresh", "cached"],
+                     help="fresh: a new engine; cached: every free block holds a cached prefix first (a server "
+                     "that has run a while)")
+    ovh.add_argument("--threads", type=int, default=1, help="torch intra-op threads while it runs (0: leave as is)")
+    ovh.add_argument("--out-dir", default="docs")
+    ovh.add_argument("--json", default=None)
+    ovh.set_defaults(func=cmd_bench_overhead)
 
     srv = bench.add_parser("serving", help="load generator against an OpenAI-compatible server")
     srv.add_argument("--url", default="http://127.0.0.1:8000")
