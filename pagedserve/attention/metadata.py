@@ -100,7 +100,7 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls,
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | Tensor,
         num_computed_tokens: list[int],
         num_new_tokens: list[int],
         block_size: int,
@@ -108,7 +108,8 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Metadata for one step. Request i has num_computed_tokens[i] tokens already in its blocks
         and runs num_new_tokens[i] new ones; block_tables[i] must cover all of them (extra blocks
-        at the end are allowed and ignored)."""
+        at the end are allowed and ignored). block_tables may also come as a host tensor, padded
+        with 0, at least as wide as the longest request needs (the model runner keeps one)."""
         num_reqs = len(block_tables)
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -116,18 +117,24 @@ class AttentionMetadata:
             raise ValueError("need one block table, computed count and new count per request, and at least one request")
         seq_lens = [c + n for c, n in zip(num_computed_tokens, num_new_tokens)]
         needed = [cdiv(s, block_size) for s in seq_lens]
-        for i, (table, need) in enumerate(zip(block_tables, needed)):
+        for i, need in enumerate(needed):
             if num_new_tokens[i] < 1 or num_computed_tokens[i] < 0:
                 raise ValueError(f"request {i}: needs at least one new token and no negative computed count")
-            if len(table) < need:
-                raise ValueError(f"request {i}: {seq_lens[i]} tokens need {need} blocks, its table has {len(table)}")
+            if isinstance(block_tables, list) and len(block_tables[i]) < need:
+                raise ValueError(f"request {i}: {seq_lens[i]} tokens need {need} blocks, "
+                                 f"its table has {len(block_tables[i])}")
 
         query_start_loc = [0]
         for n in num_new_tokens:
             query_start_loc.append(query_start_loc[-1] + n)
         max_blocks = max(needed)
-        padded = [list(t[:n]) + [0] * (max_blocks - n) for t, n in zip(block_tables, needed)]
-        tables = torch.tensor(padded, dtype=torch.int64)
+        if isinstance(block_tables, Tensor):
+            if block_tables.shape[1] < max_blocks:
+                raise ValueError(f"the block tables are {block_tables.shape[1]} wide, a request needs {max_blocks}")
+            tables = block_tables[:, :max_blocks]
+        else:
+            padded = [list(t[:n]) + [0] * (max_blocks - n) for t, n in zip(block_tables, needed)]
+            tables = torch.tensor(padded, dtype=torch.int64)
 
         # Per-token indices, vectorised on the host.
         new = torch.tensor(num_new_tokens, dtype=torch.int64)

@@ -14,6 +14,7 @@ from pagedserve.attention.kv_quant import as_bytes
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_ref import KVCache, allocate_kv_cache
 from pagedserve.config import EngineConfig
+from pagedserve.engine.block_table_rows import BlockTableRows
 from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.kv import BlockCopy
@@ -45,6 +46,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         self.kv_caches: list[KVCache] = []
+        self.block_table_rows = BlockTableRows(self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
         # calculate_kv_scales (EngineConfig allows it with fp8 only): the first real step sets every layer's scales.
         self.calibrate_kv_scales = config.calculate_kv_scales
@@ -112,7 +114,10 @@ class ModelRunner:
         input_ids: list[int] = []
         for request, start, n in zip(plan.requests, computed, plan.num_new_tokens):
             input_ids += request.all_token_ids[start : start + n]
-        md = self._metadata(plan.block_tables, computed, plan.num_new_tokens)
+        seq_lens = [c + n for c, n in zip(computed, plan.num_new_tokens)]
+        tables = self.block_table_rows.update([r.request_id for r in plan.requests], plan.block_tables,
+                                              plan.new_tables, computed, seq_lens)
+        md = self._metadata(tables, computed, plan.num_new_tokens)
         ids = torch.tensor(input_ids, device=self.device)
         if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):
             hidden = self.decode_graphs.run(ids, md)

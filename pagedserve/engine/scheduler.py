@@ -27,6 +27,8 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each request runs now
     block_tables: list[list[int]] = field(default_factory=list)
+    # Per request: its table was made this step (admitted), rather than grown from the last one.
+    new_tables: list[bool] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, before writing
     preempted: list[Request] = field(default_factory=list)
 
@@ -34,16 +36,17 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def add(self, request: Request, num_new_tokens: int, block_table: list[int]) -> None:
+    def add(self, request: Request, num_new_tokens: int, block_table: list[int], new_table: bool = False) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
         self.block_tables.append(block_table)
+        self.new_tables.append(new_table)
 
     def subset(self, rows: list[int]) -> SchedulerOutput:
         """The plan of these requests alone (every block copy kept: copying again is harmless)."""
         part = SchedulerOutput(block_copies=self.block_copies)
         for i in rows:
-            part.add(self.requests[i], self.num_new_tokens[i], self.block_tables[i])
+            part.add(self.requests[i], self.num_new_tokens[i], self.block_tables[i], self.new_tables[i])
         return part
 
 
@@ -97,7 +100,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_new = self.kv.num_tokens(request.request_id) - num_cached
-            out.add(request, num_new, self.kv.block_ids(request.request_id))
+            out.add(request, num_new, self.kv.block_ids(request.request_id), new_table=True)
             budget -= num_new
         return out
 

@@ -68,11 +68,12 @@ class KVCacheStats:
 class _Table:
     """What the manager knows about one request."""
 
-    __slots__ = ("blocks", "num_tokens", "hashes", "num_offered", "extra_keys")
+    __slots__ = ("blocks", "block_ids", "num_tokens", "hashes", "num_offered", "extra_keys")
 
     def __init__(self, blocks: list[Block], num_tokens: int, hashes: list[bytes], num_offered: int,
                  extra_keys: object):
         self.blocks = blocks
+        self.block_ids = [b.block_id for b in blocks]  # kept beside `blocks`: read every step
         self.num_tokens = num_tokens  # tokens with a slot reserved (computed or scheduled now)
         # Chained hashes of the request's leading full blocks (the caller's list, or the
         # table's own); may run ahead of the table, after a prefix lookup of the whole prompt.
@@ -102,7 +103,7 @@ class KVCacheManager:
         return req_id in self._tables
 
     def block_ids(self, req_id: RequestId) -> list[int]:
-        return [b.block_id for b in self._tables[req_id].blocks]
+        return list(self._tables[req_id].block_ids)
 
     def num_tokens(self, req_id: RequestId) -> int:
         return self._tables[req_id].num_tokens
@@ -211,12 +212,15 @@ class KVCacheManager:
             shared = table.blocks[i]
             (private,) = self.pool.allocate(1)
             table.blocks[i] = private
+            table.block_ids[i] = private.block_id
             self.pool.release([shared])
             copies.append((shared.block_id, private.block_id))
             self.cow_copies += 1
         first_written = table.num_tokens // self.block_size
         table.num_tokens += num_new_tokens
-        table.blocks += self.pool.allocate(cdiv(table.num_tokens, self.block_size) - len(table.blocks))
+        new_blocks = self.pool.allocate(cdiv(table.num_tokens, self.block_size) - len(table.blocks))
+        table.blocks += new_blocks
+        table.block_ids += [b.block_id for b in new_blocks]
         self._count_tokens(table, first_written)
         if token_ids is not None:
             self._cache_full_blocks(table, token_ids)
