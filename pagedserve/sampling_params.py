@@ -157,5 +157,7 @@ class BeamSearchParams:
             raise ParameterError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.temperature != 0.0:
             raise ParameterError("temperature", f"temperature must be 0 for beam search, got {self.temperature!r}")
-        if not _is_real(self.length_penalty):
-            raise ParameterError("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        # A hypothesis scores cum_logprob / length ** length_penalty: beyond +-50 the power overflows.
+        if not _is_real(self.length_penalty) or not -50 <= self.length_penalty <= 50:
+            raise ParameterError("length_penalty",
+                                 f"length_penalty must be a number in [-50, 50], got {self.length_penalty!r}")

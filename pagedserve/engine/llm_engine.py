@@ -168,7 +168,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every user request that advanced or finished.
 
-        A step that raises is contained: see `_contain_fault`."""
+        A step that raises is contained: see `_contain_fault`. One that is interrupted (Ctrl-C)
+        before it commits is undone, then the interrupt goes on."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.requests:
@@ -179,12 +180,18 @@ class LLMEngine:
         states = [(r.generator, r.generator.get_state()) for r in samplers
                   if r.generator is not None and not r.sampling_params.is_greedy]
         try:
-            result = self._compute(plan, rows, samplers)
-        except Exception as error:
-            result, failed = self._contain_fault(plan, states, error)
-            if result is None:
-                self._record_step(time.perf_counter() - start)
-                return [output for request, message in failed if (output := self._fail(request, message))]
+            try:
+                result = self._compute(plan, rows, samplers)
+            except Exception as error:
+                result, failed = self._contain_fault(plan, states, error)
+        except BaseException:
+            if not plan.undone:  # its prefix blocks must not stay findable, nor its slots reserved
+                self._restore_generators(states)
+                self.scheduler.undo_step(plan)
+            raise
+        if result is None:
+            self._record_step(time.perf_counter() - start)
+            return [output for request, message in failed if (output := self._fail(request, message))]
         outputs = self._commit(plan, result)
         self._record_step(time.perf_counter() - start)
         return outputs

@@ -122,8 +122,9 @@ class ModelRunner:
         if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):
             hidden = self.decode_graphs.run(ids, md)
         else:
-            md.calculate_kv_scales, self.calibrate_kv_scales = self.calibrate_kv_scales, False
+            md.calculate_kv_scales = self.calibrate_kv_scales
             hidden = self.model(ids, md.positions, self.kv_caches, md)
+            self.calibrate_kv_scales = False  # only once a pass has set every layer's scales
         if not sample_rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         rows = md.logits_indices[torch.tensor(sample_rows, device=self.device)]

@@ -31,6 +31,7 @@ class SchedulerOutput:
     new_tables: list[bool] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, before writing
     preempted: list[Request] = field(default_factory=list)
+    undone: bool = False  # the step failed and `Scheduler.undo_step` took it back
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,6 +67,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        # A step that never confirmed its prefix blocks (it died before its forward pass wrote
+        # them) must leave none findable: a safety net under the engine's own undo.
+        self.kv.discard_unconfirmed()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
@@ -115,6 +119,7 @@ class Scheduler:
         ran back to the front of the queue, in order, to be computed again from scratch (as a
         preempted request is; the prefix cache still holds what earlier steps computed)."""
         self.kv.discard_unconfirmed()
+        out.undone = True
         for request in reversed(out.requests):
             self.running.remove(request)
             self.kv.free(request.request_id)

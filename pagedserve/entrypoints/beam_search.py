@@ -1,8 +1,8 @@
 """Beam search above the engine, as vLLM v1 runs it.
 
 Each round, every live beam of every search is an ordinary engine request for one greedy token
-that returns its top `2 x beam_width` log-probabilities. The search then keeps the best
-`beam_width` continuations over all its beams. The engine sees nothing but requests: no beam state
+that returns its top log-probabilities (`2 x beam_width`, more for a model with several EOS
+ids). The search then keeps the best `beam_width` continuations over all its beams. The engine sees nothing but requests: no beam state
 lives in the scheduler, and a pool too small for every beam at once simply runs the round's
 requests in turn. The prefix cache keeps what the beams share, so a beam's request recomputes only
 the tail of its tokens that no full cached block holds.
@@ -93,8 +93,10 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> l
     """Search every prompt together, one round of engine requests per generated token."""
     for prompt in prompts:
         engine.validate_prompt(prompt)
-    # Greedy, one token, its top 2 x width log-probabilities (of the model's raw logits).
-    round_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * params.beam_width)
+    # Greedy, one token, and enough of its most likely next tokens (of the model's raw logits)
+    # that `width` of them are not EOS, as transformers keeps: max(2, 1 + number of EOS ids) x width.
+    num_candidates = max(2, 1 + len(engine.eos_token_ids)) * params.beam_width
+    round_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=num_candidates)
     searches = [_Search(p, params, engine.eos_token_ids, engine.max_model_len) for p in prompts]
     while not all(s.done for s in searches):
         beams = {}  # request id -> (search, index of the beam)
@@ -111,7 +113,7 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> l
             raise
         candidates = {id(search): [[] for _ in search.live] for search in searches}
         for request_id, (search, i) in beams.items():
-            candidates[id(search)][i] = _top(outputs[request_id], 2 * params.beam_width)
+            candidates[id(search)][i] = _top(outputs[request_id], num_candidates)
         for search in searches:
             if not search.done:
                 search.advance(candidates[id(search)])

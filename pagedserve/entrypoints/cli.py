@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 
 def cmd_kv_calc(args: argparse.Namespace) -> None:
@@ -46,6 +47,18 @@ EXAMPLE_CONVERSATIONS = [
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and accurately."
 
 
+def positive(kind: type) -> Callable[[str], int | float]:
+    """An argparse type: a number of this kind above 0."""
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its errors
+    return parse
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, with its default, choices and help (config.py holds them)."""
     import dataclasses
@@ -61,8 +74,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
-            g.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
-                           help=f"{f.metadata['help']} (default: {f.default})")
+            help = f.metadata["help"] if "default" in f.metadata["help"] else f"{f.metadata['help']} (default: {f.default})"
+            g.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"], help=help)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -333,16 +346,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="if set, /v1 routes require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients use (default: --model, or SmolLM2-135M-Instruct)")
-    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+    serve.add_argument("--timeout-keep-alive", type=positive(float), default=5.0,
                        help="seconds an idle connection stays open between requests")
-    serve.add_argument("--header-timeout", type=float, default=5.0,
+    serve.add_argument("--header-timeout", type=positive(float), default=5.0,
                        help="seconds a request's headers may take to arrive, from its first byte")
-    serve.add_argument("--body-timeout", type=float, default=30.0,
+    serve.add_argument("--body-timeout", type=positive(float), default=30.0,
                        help="seconds a request's body may take to arrive, after its headers (then 408)")
-    serve.add_argument("--max-body-bytes", type=int, default=None,
+    serve.add_argument("--max-body-bytes", type=positive(int), default=None,
                        help="largest request body (then 413; default: room for the longest prompt that can "
                        "fit the context)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+    serve.add_argument("--shutdown-timeout", type=positive(float), default=30.0,
                        help="on SIGTERM or SIGINT, seconds running requests get to finish before they are "
                        "aborted; new requests get 503 meanwhile (a second signal exits at once)")
     serve.add_argument("--override-generation-config", default=None, metavar="JSON",

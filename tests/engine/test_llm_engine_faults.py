@@ -178,3 +178,43 @@ def test_a_request_whose_token_handling_fails_ends_alone(embedded_model, embedde
     assert finished["bad"].outputs[0].finish_reason == "error" and "injected" in finished["bad"].error
     assert [finished[f"ok{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == alone
     assert_all_free(engine)
+
+
+def test_an_interrupted_step_is_undone_and_poisons_nothing(embedded_model, embedded_tokenizer, alone):
+    """Ctrl-C during a forward pass that had written half its layers: the step is taken back, so
+    the engine can go on (the requests recompute and give their tokens) and no block it was to
+    fill is findable in the prefix cache."""
+    llm = make_llm(embedded_model, embedded_tokenizer)
+    engine = llm.llm_engine
+    prompt = embedded_tokenizer.encode("Paged attention stores keys and values in fixed-size blocks. " * 8)[:80]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    model, real = engine.runner.model, engine.runner.model.forward
+    calls = 0
+
+    def forward(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the first step's forward is interrupted after 10 layers wrote their K/V
+            handle = model.model.layers[10].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+            try:
+                return real(*args, **kwargs)
+            finally:
+                handle.remove()
+        return real(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        engine.add_request("p", prompt, greedy)
+        for i, (p, params) in enumerate(zip(PROMPTS, INNOCENT)):
+            engine.add_request(f"ok{i}", p, params)
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        assert engine.kv.pool.num_cached_free == 0 and not engine.kv.pool.cached  # nothing findable
+        finished = run(engine)  # the caller carries on: everyone recomputes
+    finally:
+        del model.forward
+    assert [finished[f"ok{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == alone
+    fresh = make_llm(embedded_model, embedded_tokenizer).generate([{"prompt_token_ids": prompt}], greedy,
+                                                                  use_tqdm=False)[0]
+    assert finished["p"].outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert_all_free(engine)

@@ -49,7 +49,8 @@ def test_best_beams_match_transformers(tiny, width):
 
 def test_beam_search_validates(tiny):
     for bad in [dict(beam_width=0), dict(beam_width=2**62), dict(beam_width=2.0), dict(max_tokens=0),
-                dict(temperature=0.5), dict(ignore_eos=1), dict(length_penalty=float("nan"))]:
+                dict(temperature=0.5), dict(ignore_eos=1), dict(length_penalty=float("nan")),
+                dict(length_penalty=1e6), dict(length_penalty=-51)]:
         with pytest.raises(ParameterError) as e:
             BeamSearchParams(**(dict(beam_width=2, max_tokens=4) | bad))
         assert e.value.param == next(iter(bad))
@@ -108,3 +109,35 @@ def test_a_beam_that_breaks_the_step_fails_its_search_cleanly(tiny_llama, embedd
     with pytest.raises(RuntimeError, match="failed on a beam"):
         llm.beam_search([{"prompt_token_ids": TIGHT_BEAMS[3][3][0]}], BeamSearchParams(beam_width=2, max_tokens=8))
     assert_all_free(engine)
+
+
+def test_a_model_with_several_eos_ids_still_keeps_width_live_beams(tiny_llama, embedded_tokenizer):
+    """With more EOS ids than 2 x width - width candidates could hold, each beam's request asks for
+    (1 + number of EOS ids) x width candidates, as transformers keeps, so `width` of them are
+    always live continuations; an EOS only ever ends a hypothesis."""
+    llm = beam_llm(tiny_llama, embedded_tokenizer, 256)
+    prompt = [{"prompt_token_ids": [5, 17, 33, 8]}]
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    plain = llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))[0]
+    # Make the three most likely first tokens of the plain run's beams EOS ids.
+    first = {s.tokens[4] for s in plain.sequences}
+    engine = llm.llm_engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = set(range(112, 128)) - first  # many EOS ids, none of them the plain run's first tokens
+    num_eos = len(engine.eos_token_ids)
+    try:
+        seen = []
+        real = engine.add_request
+
+        def add_request(request_id, prompt_ids, params_, **kwargs):
+            seen.append(params_.logprobs)
+            return real(request_id, prompt_ids, params_, **kwargs)
+
+        engine.add_request = add_request
+        out = llm.beam_search(prompt, params)[0]
+    finally:
+        engine.eos_token_ids = saved
+        del engine.add_request
+    assert set(seen) == {(1 + num_eos) * 2}
+    assert len(out.sequences) == 2
+    assert all(t not in range(112, 128) or t in first for s in out.sequences for t in s.tokens[4:-1])

@@ -125,3 +125,11 @@ def test_generate_prints_every_answer_and_reports_a_prompt_the_engine_failed_on(
     out, err = capsys.readouterr()
     assert out == " Paris.\n"
     assert "error: prompt 'Tell me': RuntimeError('boom')" in err
+
+
+@pytest.mark.parametrize("flag", ["--timeout-keep-alive", "--header-timeout", "--body-timeout", "--shutdown-timeout",
+                                  "--max-body-bytes"])
+def test_serve_refuses_a_limit_that_would_cut_every_connection(flag, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", flag, "0"])
+    assert "must be > 0" in capsys.readouterr().err
