@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 # Below this temperature a request is sampled greedily (vLLM's _SAMPLING_EPS).

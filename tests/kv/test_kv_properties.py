@@ -12,7 +12,7 @@ gives (`walked_stats`), and each request's block-hash list must be the hash chai
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from pagedserve.kv import KVCacheManager, hash_block
 from tests.kv.stats_oracle import walked_stats
