@@ -15,8 +15,8 @@ engine's methods on the instance (`Timers`, monkeypatch-style; the engine's code
   forward   DryRunModel.forward + compute_logits: the no-op; should be ~0
   sample    SamplingBatch.build + Sampler (greedy argmax over [R, vocab] fixed logits)
   output    LLMEngine._commit: finish_step, append the token, detokenize, stop checks, _make_output
-  stats     LLMEngine._record_step, plus the per-step snapshot the server's engine thread takes
-            after every step (AsyncLLMEngine._snapshot, which calls engine.kv_stats())
+  stats     LLMEngine._record_usage and _record_step, plus the per-step snapshot the server's
+            engine thread takes after every step (AsyncLLMEngine._snapshot, which calls engine.kv_stats())
   other     the rest of LLMEngine.step (_samplers, generator states, list building)
   total     engine.step() + the snapshot
 
@@ -203,6 +203,7 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
     timers.wrap(engine, "sampler", "sampler")
     timers.wrap(SamplingBatch, "build", "sample_build")
     timers.wrap(engine, "_commit", "output")
+    timers.wrap(engine, "_record_usage", "usage")  # the peak check, made once the step is planned
     timers.wrap(engine, "_record_step", "record")
     samples: list[tuple[float, dict[str, float]]] = []
     try:
@@ -218,7 +219,7 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
             forward = t["forward"] + t["logits"]
             part = {"schedule": t["schedule"], "prepare": t["execute"] - forward, "forward": forward,
                     "sample": t["sampler"] + t["sample_build"], "output": t["output"],
-                    "stats": t["record"] + (end - stepped)}
+                    "stats": t.get("usage", 0.0) + t["record"] + (end - stepped)}
             part["other"] = (end - start) - sum(part.values())
             samples.append((end - start, part))
     finally:

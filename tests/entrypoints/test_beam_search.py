@@ -113,8 +113,9 @@ def test_a_beam_that_breaks_the_step_fails_its_search_cleanly(tiny_llama, embedd
 
 def test_a_model_with_several_eos_ids_still_keeps_width_live_beams(tiny_llama, embedded_tokenizer):
     """With more EOS ids than 2 x width - width candidates could hold, each beam's request asks for
-    (1 + number of EOS ids) x width candidates, as transformers keeps, so `width` of them are
-    always live continuations; an EOS only ever ends a hypothesis."""
+    (1 + number of EOS ids) x width candidates, as transformers keeps (with 2 x width, the top
+    candidates of a beam could all be EOS); the search still returns `width` hypotheses, and an
+    EOS never continues a live beam."""
     llm = beam_llm(tiny_llama, embedded_tokenizer, 256)
     prompt = [{"prompt_token_ids": [5, 17, 33, 8]}]
     params = BeamSearchParams(beam_width=2, max_tokens=6)
