@@ -198,11 +198,9 @@ class RequestGuard:
     @staticmethod
     async def _reply(scope: Scope, send: Send, error: APIError) -> None:
         """Answer with `error` and close the connection (the rest of the request is not read)."""
-        body = error_body(error)
-        await send({"type": "http.response.start", "status": error.status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        response = error.response()
+        response.headers["connection"] = "close"
+        await response(scope, _no_receive, send)
 
     def _closing_while_draining(self, send: Send) -> Send:
         drain = self.drain
@@ -215,6 +213,10 @@ class RequestGuard:
             await send(message)
 
         return closing_send
+
+
+async def _no_receive() -> Message:
+    raise RuntimeError("an error reply reads nothing of the request")
 
 
 def _replay(chunks: list[bytes], receive: Receive) -> Receive:
