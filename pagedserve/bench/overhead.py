@@ -200,11 +200,11 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
     timers.wrap(engine.runner, "execute", "execute")
     timers.wrap(engine.model, "forward", "forward")
     timers.wrap(engine.model, "compute_logits", "logits")
-    timers.wrap(engine, "sampler", "sampler")
+    timers.wrap(engine.core, "sampler", "sampler")
     timers.wrap(SamplingBatch, "build", "sample_build")
-    timers.wrap(engine, "_commit", "output")
-    timers.wrap(engine, "_record_usage", "usage")  # the peak check, made once the step is planned
-    timers.wrap(engine, "_record_step", "record")
+    timers.wrap(engine.core, "_commit", "commit")
+    timers.wrap(engine.output_processor, "process", "front")
+    timers.wrap(engine.core, "_record_usage", "usage")  # the peak check, made once the step is planned
     samples: list[tuple[float, dict[str, float]]] = []
     try:
         for _ in range(steps):
@@ -218,8 +218,8 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
             t = timers.take()
             forward = t["forward"] + t["logits"]
             part = {"schedule": t["schedule"], "prepare": t["execute"] - forward, "forward": forward,
-                    "sample": t["sampler"] + t["sample_build"], "output": t["output"],
-                    "stats": t.get("usage", 0.0) + t["record"] + (end - stepped)}
+                    "sample": t["sampler"] + t["sample_build"], "output": t["commit"] + t["front"],
+                    "stats": t.get("usage", 0.0) + (end - stepped)}
             part["other"] = (end - start) - sum(part.values())
             samples.append((end - start, part))
     finally:

@@ -105,7 +105,7 @@ def profile_decode(model, tokenizer, batch: int, steps: int = 20, torch_profile:
     timers.wrap(engine.runner, "execute", "execute")
     timers.wrap(engine.runner.model, "forward", "forward")
     timers.wrap(engine.runner.model, "compute_logits", "logits")
-    timers.wrap(engine, "sampler", "sample")
+    timers.wrap(engine.core, "sampler", "sample")
     timers.wrap(SamplingBatch, "build", "sample_build")
     rows = []
     try:

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from pagedserve.engine.core_messages import CoreStats
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.kv import KVCacheStats
 from pagedserve.outputs import RequestOutput
@@ -87,11 +88,76 @@ class _Abort:
 
 @dataclass
 class _Entry:
-    """A request in the engine, as the engine thread tracks it."""
+    """A request in flight, as the front tracks it."""
 
     stream: RequestStream
     num_seqs: int
     num_output_tokens: int = 0  # already counted in the stats
+
+
+class RequestTracker:
+    """The streams of the requests in flight and the counts the server reports: where each
+    RequestOutput goes, and what it adds to the totals. Used by whichever thread delivers outputs."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.finished: Counter[str] = Counter()
+        self.finish_hooks: tuple[Callable[[RequestOutput], None], ...] = ()
+
+    def add(self, request_id: str, stream: RequestStream, num_seqs: int) -> None:
+        self.entries[request_id] = _Entry(stream, num_seqs)
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request the client left; False if it had finished already (or never started)."""
+        entry = self.entries.pop(request_id, None)
+        if entry is None:
+            return False
+        self.finished["abort"] += entry.num_seqs
+        return True
+
+    def route(self, outputs: list[RequestOutput]) -> list[tuple[RequestStream, RequestOutput | Exception]]:
+        """Count each output and pair it with its stream (an EngineError for a failed request)."""
+        deliveries: list[tuple[RequestStream, RequestOutput | Exception]] = []
+        for output in outputs:
+            entry = self.entries.get(output.request_id)
+            if entry is None:
+                continue
+            if entry.num_output_tokens == 0:  # its first output: the prompt has been computed
+                self.num_prompt_tokens += len(output.prompt_token_ids)
+            num_tokens = sum(len(o.token_ids) for o in output.outputs)
+            self.num_generation_tokens += num_tokens - entry.num_output_tokens
+            entry.num_output_tokens = num_tokens
+            if output.error is not None:  # the engine failed on this request alone
+                del self.entries[output.request_id]
+                self.finished["error"] += entry.num_seqs
+                deliveries.append((entry.stream, EngineError(output.error)))
+                continue
+            if output.finished:
+                del self.entries[output.request_id]
+                self.finished.update(o.finish_reason for o in output.outputs)
+                for hook in self.finish_hooks:
+                    try:
+                        hook(output)
+                    except Exception:
+                        logger.exception("finish hook failed")
+            deliveries.append((entry.stream, output))
+        return deliveries
+
+    def fail_all(self, error: Exception) -> list[tuple[str, RequestStream, Exception]]:
+        """End every request in flight with `error`: (request id, stream, error) of each."""
+        failed = [(request_id, entry.stream, error) for request_id, entry in self.entries.items()]
+        for entry in self.entries.values():
+            self.finished["error"] += entry.num_seqs
+        self.entries.clear()
+        return failed
+
+    def snapshot(self, core: CoreStats) -> EngineStatsSnapshot:
+        return EngineStatsSnapshot(
+            num_running=core.num_running, num_waiting=core.num_waiting, kv=core.kv,
+            num_preemptions=core.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens, finished=dict(self.finished))
 
 
 class AsyncLLMEngine:
@@ -101,12 +167,7 @@ class AsyncLLMEngine:
         self._commands: list[_Add | _Abort] = []  # guarded by _cond
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._finish_hooks: tuple[Callable[[RequestOutput], None], ...] = ()
-        # Engine thread only.
-        self._entries: dict[str, _Entry] = {}
-        self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
-        self._finished: Counter[str] = Counter()
+        self._tracker = RequestTracker()  # engine thread only
         self.stats = self._snapshot()
 
     # ---- facts that never change: safe to read from any thread ----------------------------
@@ -149,7 +210,7 @@ class AsyncLLMEngine:
     def add_finish_hook(self, hook: Callable[[RequestOutput], None]) -> None:
         """Call `hook(output)` on the engine thread with the last output of each request that
         finishes (not aborted, not failed). Add hooks before serving."""
-        self._finish_hooks = (*self._finish_hooks, hook)
+        self._tracker.finish_hooks = (*self._tracker.finish_hooks, hook)
 
     # ---- requests (event loop) -----------------------------------------------------------
 
@@ -204,10 +265,8 @@ class AsyncLLMEngine:
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            entry = self._entries.pop(command.request_id, None)
-            if entry is not None:  # else finished already, or never added
+            if self._tracker.abort(command.request_id):  # else finished already, or never added
                 self.engine.abort_request(command.request_id)
-                self._finished["abort"] += entry.num_seqs
             return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
@@ -219,7 +278,7 @@ class AsyncLLMEngine:
             logger.exception("adding request %s failed", command.request_id)
             command.stream.put(EngineError(f"the engine failed to add the request: {e!r}"))
             return
-        self._entries[command.request_id] = _Entry(command.stream, command.params.n)
+        self._tracker.add(command.request_id, command.stream, command.params.n)
 
     def _step(self) -> list[tuple[RequestStream, RequestOutput | Exception]]:
         try:
@@ -227,44 +286,18 @@ class AsyncLLMEngine:
         except Exception as e:
             # The engine could not pin the fault on a request (it fails those itself): fail what
             # is in flight, free its blocks, keep serving.
-            logger.exception("engine step failed; failing %d request(s)", len(self._entries))
+            logger.exception("engine step failed; failing %d request(s)", len(self._tracker.entries))
             return self._fail_all(EngineError(f"the engine failed while running this request: {e!r}"))
-        deliveries = []
-        for output in outputs:
-            entry = self._entries.get(output.request_id)
-            if entry is None:
-                continue
-            if entry.num_output_tokens == 0:  # its first output: the prompt has been computed
-                self._num_prompt_tokens += len(output.prompt_token_ids)
-            num_tokens = sum(len(o.token_ids) for o in output.outputs)
-            self._num_generation_tokens += num_tokens - entry.num_output_tokens
-            entry.num_output_tokens = num_tokens
-            if output.error is not None:  # the engine failed on this request alone
-                del self._entries[output.request_id]
-                self._finished["error"] += entry.num_seqs
-                deliveries.append((entry.stream, EngineError(output.error)))
-                continue
-            if output.finished:
-                del self._entries[output.request_id]
-                self._finished.update(o.finish_reason for o in output.outputs)
-                for hook in self._finish_hooks:
-                    try:
-                        hook(output)
-                    except Exception:
-                        logger.exception("finish hook failed")
-            deliveries.append((entry.stream, output))
-        return deliveries
+        return self._tracker.route(outputs)
 
     def _fail_all(self, error: Exception) -> list[tuple[RequestStream, Exception]]:
         deliveries = []
-        for request_id, entry in self._entries.items():
+        for request_id, stream, e in self._tracker.fail_all(error):
             try:
                 self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("aborting request %s failed", request_id)
-            self._finished["error"] += entry.num_seqs
-            deliveries.append((entry.stream, error))
-        self._entries.clear()
+            deliveries.append((stream, e))
         return deliveries
 
     def _stop(self, commands: list[_Add | _Abort]) -> None:
@@ -277,13 +310,4 @@ class AsyncLLMEngine:
         self.stats = self._snapshot()
 
     def _snapshot(self) -> EngineStatsSnapshot:
-        scheduler = self.engine.scheduler
-        return EngineStatsSnapshot(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv=self.engine.kv_stats(),
-            num_preemptions=self.engine.num_preemptions,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generation_tokens=self._num_generation_tokens,
-            finished=dict(self._finished),
-        )
+        return self._tracker.snapshot(self.engine.core.core_stats())

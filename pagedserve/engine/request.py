@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -57,16 +57,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        # Filled by the engine as tokens arrive.
-        self.logprobs: list[dict[int, Any]] | None = [] if sampling_params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
-        self.detokenizer: Any = None
-        # Text that is final: never retracted by a stop string completing later, so a stream
-        # can send it. Equals the whole output text once the request finishes.
-        self.output_text = ""
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

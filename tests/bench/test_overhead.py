@@ -21,13 +21,13 @@ def model_config():
 def test_a_scenario_measures_every_part_and_leaks_nothing(model_config, embedded_tokenizer):
     engine = build_dry_engine(64, embedded_tokenizer, model_config)
     tokens = []
-    commit = engine._commit
+    commit = engine.core._commit
 
     def spy(plan, result):  # what the sampler picked, step by step
         tokens.extend(result.sampled.token_ids)
         return commit(plan, result)
 
-    engine._commit = spy
+    engine.core._commit = spy
     row = run_scenario(engine, requests=3, context=40, steps=4)
     assert row.skipped is None and set(row.parts_ms) == set(PARTS)
     for part in ("schedule", "prepare", "sample", "output", "stats"):

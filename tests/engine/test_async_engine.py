@@ -165,14 +165,14 @@ def run_with_faulty(engine, async_engine, name, fail_on, prompts):
 
 
 def test_a_transient_fault_is_retried_and_nobody_notices(async_engine, engine, reference):
-    results = run_with_faulty(engine, async_engine, "sampler", lambda call: call == 3, PROMPTS[:3])
+    results = run_with_faulty(engine.core, async_engine, "sampler", lambda call: call == 3, PROMPTS[:3])
     assert [r[-1].outputs[0].token_ids for r in results] == [reference[p] for p in PROMPTS[:3]]
     assert async_engine.stats.finished == {"length": 3}
 
 
 def test_a_fault_that_no_request_causes_alone_fails_them_all_and_the_loop_carries_on(async_engine, engine,
                                                                                        reference):
-    results = run_with_faulty(engine, async_engine, "sampler", lambda call: True, PROMPTS[:3])
+    results = run_with_faulty(engine.core, async_engine, "sampler", lambda call: True, PROMPTS[:3])
     assert all(isinstance(r, EngineError) and "injected fault" in str(r) for r in results)
     assert async_engine.stats.finished == {"error": 3}
     assert async_engine.stats.kv.used_blocks == 0  # their blocks were freed

@@ -93,7 +93,7 @@ def test_a_request_that_breaks_sampling_fails_alone(embedded_model, embedded_tok
         engine.add_request(f"ok{i}", prompt, params)
         if i == 3:
             engine.add_request("bad", "Tell me a story", SamplingParams(max_tokens=2))
-            engine._groups["bad"][0].sampling_params = bad  # past add_request's validation
+            engine.core._groups["bad"][0].sampling_params = bad  # past add_request's validation
     finished = run(engine)
     assert finished["bad"].outputs[0].finish_reason == "error" and finished["bad"].error
     assert [finished[f"ok{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == alone
@@ -130,7 +130,7 @@ def test_parallel_samples_of_a_failing_request_end_together(embedded_model, embe
     engine.add_request("bad", PROMPTS[2], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1))
     for _ in range(3):  # the samples have forked and run
         engine.step()
-    engine._groups["bad"][2].sampling_params = unvalidated(top_k=2**63)
+    engine.core._groups["bad"][2].sampling_params = unvalidated(top_k=2**63)
     finished = run(engine)
     assert [o.finish_reason for o in finished["bad"].outputs] == ["error"] * 3
     assert finished["ok"].outputs[0].token_ids == alone[1]
@@ -173,7 +173,7 @@ def test_a_request_whose_token_handling_fails_ends_alone(embedded_model, embedde
     def broken(token_ids):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
 
-    engine._groups["bad"][0].detokenizer.add_tokens = broken
+    engine.output_processor._requests["bad"].samples[0].detokenizer.add_tokens = broken  # a front-side fault
     finished = run(engine)
     assert finished["bad"].outputs[0].finish_reason == "error" and "injected" in finished["bad"].error
     assert [finished[f"ok{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == alone

@@ -112,7 +112,7 @@ def test_unknown_fields_are_ignored_and_the_server_keeps_serving(server):
 def faulty_sampler(server):
     """Makes the engine's sampler raise from its `fail_from`-th call on (1 = at once)."""
     engine = server.engine
-    real = engine.sampler
+    real = engine.core.sampler
     state = {"calls": 0, "fail_from": 1}
 
     def sampler(*args):
@@ -121,9 +121,9 @@ def faulty_sampler(server):
             raise RuntimeError("injected fault")
         return real(*args)
 
-    engine.sampler = sampler
+    engine.core.sampler = sampler
     yield state
-    engine.sampler = real
+    engine.core.sampler = real
 
 
 def test_an_engine_fault_is_a_500_and_the_server_keeps_serving(server, faulty_sampler):

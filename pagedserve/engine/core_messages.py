@@ -1,0 +1,95 @@
+"""What the front and the engine core say to each other, as msgspec structs.
+
+The same objects travel by function call when the core runs in-process, and as msgpack frames
+over ZMQ when it runs in a process of its own (`core_process.py`): no pickle on the wire.
+Structs are array-like (fields by position) to keep frames small.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pagedserve.kv import KVCacheStats
+from pagedserve.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
+    """A request, tokenized and validated by the front."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
+    """End these user requests at once (the client left, or the front failed on them)."""
+
+    request_ids: list[str]
+
+
+class StopSamples(msgspec.Struct, array_like=True, tag="stop"):
+    """The front found a stop string in these samples, (request id, sample index): end them."""
+
+    samples: list[tuple[str, int]]
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
+    pass
+
+
+CoreCommand = EngineCoreRequest | AbortRequests | StopSamples | Shutdown
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities of one sampled token: its own, its rank, and the top-k (token, logprob)."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+class SampleOutput(msgspec.Struct, array_like=True):
+    """What one sample of a request got in one step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    finish_reason: str | None = None  # "stop" (EOS or a stop token), "length" or "error"
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    error: str | None = None  # why the engine failed on this request (finish_reason "error")
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    """The core's figures after a step. Counts are per sequence (a request with n samples is n)."""
+
+    num_running: int
+    num_waiting: int
+    kv: KVCacheStats
+    num_preemptions: int
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="outputs"):
+    outputs: list[SampleOutput]
+    stats: CoreStats
+
+
+class CoreReady(msgspec.Struct, array_like=True, tag="ready"):
+    """The core process loaded the model and sized its pool: the facts the front needs."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    num_kv_blocks: int
+    stats: CoreStats
+
+
+class CoreFailed(msgspec.Struct, array_like=True, tag="failed"):
+    """The core process failed (at start, or in its loop) and is exiting."""
+
+    message: str
+
+
+CoreMessage = EngineCoreOutputs | CoreReady | CoreFailed

@@ -1,0 +1,51 @@
+"""The executor seam: how the engine core runs a step on its workers.
+
+The core plans a step and samples; an executor runs the forward pass of that step wherever the
+model lives and returns the logits of the rows that sample. `UniProcExecutor` is the one worker
+in the core's own process. A tensor-parallel executor puts more workers (processes, devices)
+behind the same calls; a data-parallel deployment runs several cores, each with its executor.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.models.config import ModelConfig
+
+
+class Executor(Protocol):
+    model_config: ModelConfig
+
+    def measure_kv_budget(self, max_model_len: int) -> int:
+        """Bytes the KV pool may take on each worker (CUDA only)."""
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate every worker's pool of `num_blocks` blocks (and capture what depends on it)."""
+
+    def execute(self, step: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
+        """Run one step; float32 logits [len(sample_rows), vocab] of each listed row's last token."""
+
+
+class UniProcExecutor:
+    """One model runner, in this process."""
+
+    def __init__(self, config: EngineConfig, model=None) -> None:
+        from pagedserve.models.loader import load_model
+
+        module, self.model_config = model or load_model(config.model, config.torch_dtype, config.device)
+        self.runner = ModelRunner(module, self.model_config, config)
+
+    def measure_kv_budget(self, max_model_len: int) -> int:
+        return self.runner.measure_kv_budget(max_model_len)
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_decode_graphs(max_model_len)
+
+    def execute(self, step: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
+        return self.runner.execute(step, sample_rows)
