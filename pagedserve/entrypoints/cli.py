@@ -165,7 +165,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     return dict(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                 timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
                 body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
-                max_body_bytes=args.max_body_bytes,
+                max_body_bytes=args.max_body_bytes, engine_core=args.engine_core,
                 default_max_tokens=generation_config_max_tokens(args.override_generation_config))
 
 
@@ -361,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--override-generation-config", default=None, metavar="JSON",
                        help="vLLM's flag; '{\"max_new_tokens\": N}' sets max_tokens for requests that set none "
                        "(default: chat runs to the context limit, completions 16)")
+    serve.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                       help="where the engine core runs: its own process, fed over ZMQ while this one does HTTP, "
+                       "tokenization and detokenization (default); or a thread of this process")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedserve import __version__
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai import http_server
 from pagedserve.entrypoints.openai.limits import default_max_body_bytes, prompt_bound
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
@@ -198,18 +199,29 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def make_async_engine(config: EngineConfig, engine_core: str = "process") -> AsyncLLMEngine | AsyncLLM:
+    """The server's engine, not yet started."""
+    if engine_core == "process":
+        return AsyncLLM(config)
+    if engine_core == "thread":
+        from pagedserve.engine.llm_engine import LLMEngine
+
+        return AsyncLLMEngine(LLMEngine(config))
+    raise ValueError(f"engine_core must be 'process' or 'thread', got {engine_core!r}")
+
+
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None,
                timeout_keep_alive: float = http_server.DEFAULT_TIMEOUT_KEEP_ALIVE,
                header_timeout: float = http_server.DEFAULT_HEADER_TIMEOUT,
                body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
                shutdown_timeout: float = http_server.DEFAULT_SHUTDOWN_TIMEOUT,
-               max_body_bytes: int | None = None, default_max_tokens: int | None = None) -> None:
+               max_body_bytes: int | None = None, default_max_tokens: int | None = None,
+               engine_core: str = "process") -> None:
     """Serve until SIGTERM or SIGINT, which drain the server (http_server.GracefulServer) before it
-    exits; a second signal exits at once."""
-    from pagedserve.engine.llm_engine import LLMEngine
-
-    engine = AsyncLLMEngine(LLMEngine(config))
+    exits; a second signal exits at once. engine_core: "process" runs the core in a process of its
+    own (`AsyncLLM`), "thread" in a thread of this one (`AsyncLLMEngine`)."""
+    engine = make_async_engine(config, engine_core)
     name = served_model_name or config.model or EMBEDDED_MODEL_NAME
     engine.start()
     try:

@@ -15,6 +15,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.entrypoints.openai.http_server import GracefulServer, make_server
@@ -53,8 +54,8 @@ def serve_server(app, **options) -> Iterator[tuple[str, GracefulServer]]:
 @dataclass
 class Server:
     url: str
-    engine: LLMEngine
-    async_engine: AsyncLLMEngine
+    engine: LLMEngine | None  # None when the core runs in its own process
+    async_engine: AsyncLLMEngine | AsyncLLM
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,

@@ -1,0 +1,205 @@
+"""AsyncLLM: the engine core in its own process, the front (detokenization, stop strings) here.
+
+Checked against the in-process LLMEngine on the same tiny checkpoint: same tokens, same text.
+Then the faults: the core process dies (everyone in flight fails fast, nothing is left behind),
+the API process dies (the core follows it), the front fails on one request (only it ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.async_engine import EngineError
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams
+
+PROMPTS = [[5, 17, 33, 8], [9, 9, 40, 41, 42, 3, 7], [100, 101], [60] * 20]
+
+
+def config(path) -> EngineConfig:
+    return EngineConfig(model=str(path), num_kv_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint("llama")[0]
+
+
+@pytest.fixture
+def core(tiny, embedded_tokenizer):
+    engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120)
+    engine.start()
+    yield engine
+    engine.shutdown()
+    assert not engine._process.is_alive()
+
+
+def run_async(engine: AsyncLLM, requests: list[tuple[list[int], SamplingParams]]) -> list:
+    async def one(i, prompt, params):
+        last = None
+        try:
+            async for out in engine.generate(prompt, params, f"r{i}"):
+                last = out
+        except Exception as e:
+            return e
+        return last
+
+    async def main():
+        return await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(requests)))
+
+    return asyncio.run(main())
+
+
+def run_inprocess(tiny, tokenizer, requests) -> list:
+    engine = LLMEngine(config(tiny), tokenizer=tokenizer)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final[out.request_id] = out
+    return [final[f"r{i}"] for i in range(len(requests))]
+
+
+def summary(output):
+    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason,
+             [sorted((t, round(lp.logprob, 4), lp.rank, lp.decoded_token) for t, lp in e.items()) for e in o.logprobs]
+             if o.logprobs is not None else None) for o in output.outputs]
+
+
+def test_outputs_equal_the_in_process_engine(core, tiny, embedded_tokenizer):
+    requests = [
+        (PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0)),
+        (PROMPTS[1], SamplingParams(max_tokens=10, n=3, seed=7, temperature=0.9, logprobs=2)),
+        (PROMPTS[2], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[PROMPTS[2][0]])),
+        (PROMPTS[3], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
+    ]
+    # A stop string taken from the greedy text, so that the front must find and apply it.
+    expected = run_inprocess(tiny, embedded_tokenizer, requests)
+    text = expected[3].outputs[0].text
+    requests.append((PROMPTS[3], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[text[5:8]])))
+    expected = run_inprocess(tiny, embedded_tokenizer, requests)
+    assert expected[4].outputs[0].finish_reason == "stop" and expected[4].outputs[0].stop_reason == text[5:8]
+    got = run_async(core, requests)
+    assert [summary(o) for o in got] == [summary(o) for o in expected]
+    assert all(o.finished for o in got)
+    deadline = time.monotonic() + 10  # the core reports its figures after the front's stops reach it
+    while core.stats.kv.free_blocks != core.stats.kv.total_blocks or core.stats.num_running:
+        assert time.monotonic() < deadline, core.stats
+        time.sleep(0.05)
+
+
+def test_a_bad_request_is_a_value_error_and_the_core_keeps_serving(core):
+    with pytest.raises(ValueError, match="out of range"):
+        run_async_raising(core, [10_000], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="top_k"):
+        run_async_raising(core, [5], SamplingParams(max_tokens=2, top_k=1000))
+    [out] = run_async(core, [(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))])
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def run_async_raising(engine, prompt, params):
+    async def main():
+        async for _ in engine.generate(prompt, params, "bad"):
+            pass
+
+    asyncio.run(main())
+
+
+def test_a_front_failure_ends_that_request_only(core):
+    """A fault in the front's output processing (here: the request's detokenizer) fails that
+    request alone; the core never hears of it but as an abort, and serves the others on."""
+    real_add = core.output_processor.add_request
+
+    def add_request(request_id, *args):
+        real_add(request_id, *args)
+        if request_id == "r1":
+            def broken(token_ids):
+                raise RuntimeError("injected front fault")
+            core.output_processor._requests[request_id].samples[0].detokenizer.add_tokens = broken
+
+    core.output_processor.add_request = add_request
+    try:
+        results = run_async(core, [(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+                                   for p in PROMPTS])
+    finally:
+        core.output_processor.add_request = real_add
+    assert isinstance(results[1], EngineError) and "injected front fault" in str(results[1])
+    assert [len(r.outputs[0].token_ids) for i, r in enumerate(results) if i != 1] == [8, 8, 8]
+    assert core.is_running
+    [again] = run_async(core, [(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])
+    assert len(again.outputs[0].token_ids) == 4
+
+
+def test_the_core_process_dies_and_everyone_in_flight_fails_fast(tiny, embedded_tokenizer):
+    engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120)
+    engine.start()
+    try:
+        async def main():
+            async def long(i):
+                async for _ in engine.generate(PROMPTS[i], SamplingParams(max_tokens=200, ignore_eos=True), f"r{i}"):
+                    pass
+            tasks = [asyncio.create_task(long(i)) for i in range(3)]
+            while engine.stats.num_running < 3:
+                await asyncio.sleep(0.01)
+            os.kill(engine.core_pid, signal.SIGKILL)
+            start = time.monotonic()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return results, time.monotonic() - start
+
+        results, waited = asyncio.run(main())
+        assert all(isinstance(r, EngineError) and "died" in str(r) for r in results), results
+        assert waited < 2.0
+        assert not engine.is_running
+        with pytest.raises(EngineError, match="died"):
+            run_async_raising(engine, PROMPTS[0], SamplingParams(max_tokens=2))
+    finally:
+        engine.shutdown()
+    assert not engine._process.is_alive()
+
+
+def test_the_core_exits_when_the_api_process_is_killed(tiny, tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pagedserve.config import EngineConfig
+        from pagedserve.engine.async_llm import AsyncLLM
+        from pagedserve.models.loader import load_tokenizer
+        if __name__ == "__main__":
+            engine = AsyncLLM(EngineConfig(model={str(tiny)!r}, num_kv_blocks=64, block_size=4),
+                              tokenizer=load_tokenizer(), start_timeout=120)
+            engine.start()
+            print(engine.core_pid, flush=True)
+            time.sleep(600)
+    """)
+    (tmp_path / "api.py").write_text(script)
+    api = subprocess.Popen([sys.executable, str(tmp_path / "api.py")], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(api.stdout.readline())
+        assert process_alive(core_pid)
+        api.kill()  # SIGKILL: no cleanup code of the API process runs
+        api.wait()
+        deadline = time.monotonic() + 10
+        while process_alive(core_pid):
+            assert time.monotonic() < deadline, "the core process outlived the API process"
+            time.sleep(0.05)
+    finally:
+        api.kill()
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone: it has exited, only its parent has not reaped it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
