@@ -14,11 +14,16 @@ engine's methods on the instance (`Timers`, monkeypatch-style; the engine's code
             logits rows: everything the runner does around the forward)
   forward   DryRunModel.forward + compute_logits: the no-op; should be ~0
   sample    SamplingBatch.build + Sampler (greedy argmax over [R, vocab] fixed logits)
-  output    LLMEngine._commit: finish_step, append the token, detokenize, stop checks, _make_output
-  stats     LLMEngine._record_usage and _record_step, plus the per-step snapshot the server's
-            engine thread takes after every step (AsyncLLMEngine._snapshot, which calls engine.kv_stats())
-  other     the rest of LLMEngine.step (_samplers, generator states, list building)
-  total     engine.step() + the snapshot
+  output    EngineCore._commit (finish_step, append the token, stop checks on token ids) plus the
+            front's OutputProcessor.process (detokenize, stop strings, RequestOutput assembly)
+  transport what the core in its own process adds: the step's sample outputs and the core's
+            figures encoded as msgpack (msgspec), sent and received over a ZMQ ipc PUSH/PULL pair
+            (both ends in this process: the kernel's socket path without a second scheduler
+            slice), decoded. The front then works on the decoded outputs
+  stats     EngineCore._record_usage and core_stats(), plus the front's snapshot that the
+            server publishes after every step (RequestTracker.snapshot)
+  other     the rest of the step (_samplers, generator states, list building)
+  total     all of the above: engine.step() with the transport in the middle, + the snapshot
 
 Figures are medians over the N steps (robust to a neighbour's load on a shared machine); the
 mean total is kept too, since a rare slow step (a cyclic-GC pass over a large pool's blocks, say)
@@ -31,22 +36,27 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+import msgspec
 import torch
+import zmq
 
 from pagedserve.bench.profile import Timers
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.async_engine import RequestTracker
+from pagedserve.engine.core_messages import CoreStats, EngineCoreOutputs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sampler import SamplingBatch
 from pagedserve.kv.kv_cache_manager import cdiv
 from pagedserve.models.config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
 
-PARTS = ("schedule", "prepare", "forward", "sample", "output", "stats", "other")
+PARTS = ("schedule", "prepare", "forward", "sample", "output", "transport", "stats", "other")
 WARMUP_STEPS = 3
 DEFAULT_TOKEN = 260  # " the" in SmolLM2's vocabulary: a plain word, not EOS, not special
 
@@ -147,6 +157,50 @@ def blocks_needed(requests: int, context: int, steps: int, block_size: int = 16)
     return requests * cdiv(context + WARMUP_STEPS + steps + 1, block_size)
 
 
+class ZmqLoopback:
+    """The core-to-front wire of `AsyncLLM`, both ends in this process: a ZMQ PUSH/PULL pair
+    over ipc, msgpack frames of EngineCoreOutputs. `wrap(core)` returns a step function that
+    runs the core's step and sends its outputs through; `take()` gives the seconds spent on the
+    wire since the last call."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="pagedserve-bench-")
+        self._context = zmq.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.bind(f"ipc://{self._dir}/outputs")
+        self._push = self._context.socket(zmq.PUSH)
+        self._push.connect(f"ipc://{self._dir}/outputs")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._seconds = 0.0
+        self.last_stats: CoreStats | None = None
+
+    def wrap(self, core):
+        step = core.step
+
+        def step_over_the_wire():
+            outputs = step()
+            stats = core.core_stats()
+            start = time.perf_counter()
+            self._push.send(self._encoder.encode(EngineCoreOutputs(outputs, stats)))
+            message = self._decoder.decode(self._pull.recv())
+            self._seconds += time.perf_counter() - start
+            self.last_stats = message.stats
+            return message.outputs
+
+        return step_over_the_wire
+
+    def take(self) -> float:
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+    def close(self) -> None:
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 def fill_prefix_cache(engine: LLMEngine) -> int:
     """Make every free block a cached free block, as in a server that has run a while: each
     holds a made-up prefix (a 14-byte key that no 32-byte SHA-256 block hash can equal, so no
@@ -193,7 +247,9 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
     for _ in range(WARMUP_STEPS):
         engine.step()
     preemptions = scheduler.num_preemptions
-    front = AsyncLLMEngine(engine)  # never started: only its per-step snapshot is used
+    tracker = RequestTracker()  # the server's per-step snapshot, as AsyncLLM publishes it
+    loopback = ZmqLoopback()
+    engine.core.step = loopback.wrap(engine.core)  # on the instance: the core's step, then the wire
 
     timers = Timers()
     timers.wrap(scheduler, "schedule", "schedule")
@@ -205,13 +261,14 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
     timers.wrap(engine.core, "_commit", "commit")
     timers.wrap(engine.output_processor, "process", "front")
     timers.wrap(engine.core, "_record_usage", "usage")  # the peak check, made once the step is planned
+    timers.wrap(engine.core, "core_stats", "core_stats")
     samples: list[tuple[float, dict[str, float]]] = []
     try:
         for _ in range(steps):
             start = time.perf_counter()
             outputs = engine.step()
             stepped = time.perf_counter()
-            front.stats = front._snapshot()
+            tracker.snapshot(loopback.last_stats)
             end = time.perf_counter()
             if len(outputs) != requests:
                 raise RuntimeError(f"a timed step advanced {len(outputs)} of {requests} requests")
@@ -219,11 +276,13 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
             forward = t["forward"] + t["logits"]
             part = {"schedule": t["schedule"], "prepare": t["execute"] - forward, "forward": forward,
                     "sample": t["sampler"] + t["sample_build"], "output": t["commit"] + t["front"],
-                    "stats": t.get("usage", 0.0) + (end - stepped)}
+                    "transport": loopback.take(), "stats": t.get("usage", 0.0) + t["core_stats"] + (end - stepped)}
             part["other"] = (end - start) - sum(part.values())
             samples.append((end - start, part))
     finally:
         timers.restore()
+        del engine.core.step
+        loopback.close()
 
     running = list(scheduler.running)
     if scheduler.num_preemptions != preemptions or len(running) != requests:
