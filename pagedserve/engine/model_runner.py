@@ -115,8 +115,8 @@ class ModelRunner:
         for request, start, n in zip(plan.requests, computed, plan.num_new_tokens):
             input_ids += request.all_token_ids[start : start + n]
         seq_lens = [c + n for c, n in zip(computed, plan.num_new_tokens)]
-        tables = self.block_table_rows.update([r.request_id for r in plan.requests], plan.block_tables,
-                                              plan.new_tables, computed, seq_lens)
+        tables = self.block_table_rows.update([r.request_id for r in plan.requests], plan.new_block_ids,
+                                              plan.new_tables, computed, seq_lens, plan.freed)
         md = self._metadata(tables, computed, plan.num_new_tokens)
         ids = torch.tensor(input_ids, device=self.device)
         if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):

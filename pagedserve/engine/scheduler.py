@@ -16,6 +16,7 @@ alone always fits: preemption cannot deadlock.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from pagedserve.engine.request import Request, RequestStatus
@@ -24,30 +25,36 @@ from pagedserve.kv import BlockCopy, KVCacheManager
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan, as changes to what the model runner already holds: for each request its
+    whole block table when the table is new to the runner (`new_tables`: admitted, recomputed or
+    forked), else only the blocks from the one the step writes into first (a copy-on-write may
+    have replaced it) to the end; and the requests whose tables the runner may forget."""
+
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each request runs now
-    block_tables: list[list[int]] = field(default_factory=list)
-    # Per request: its table was made this step (admitted), rather than grown from the last one.
+    new_block_ids: list[list[int]] = field(default_factory=list)  # per request, see above
     new_tables: list[bool] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, before writing
     preempted: list[Request] = field(default_factory=list)
+    freed: list[Hashable] = field(default_factory=list)  # ids whose blocks were freed since the last plan
     undone: bool = False  # the step failed and `Scheduler.undo_step` took it back
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def add(self, request: Request, num_new_tokens: int, block_table: list[int], new_table: bool = False) -> None:
+    def add(self, request: Request, num_new_tokens: int, block_ids: list[int], new_table: bool) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
-        self.block_tables.append(block_table)
+        self.new_block_ids.append(block_ids)
         self.new_tables.append(new_table)
 
     def subset(self, rows: list[int]) -> SchedulerOutput:
-        """The plan of these requests alone (every block copy kept: copying again is harmless)."""
-        part = SchedulerOutput(block_copies=self.block_copies)
+        """The plan of these requests alone (every block copy and freed id kept: doing them again
+        is harmless)."""
+        part = SchedulerOutput(block_copies=self.block_copies, freed=self.freed)
         for i in rows:
-            part.add(self.requests[i], self.num_new_tokens[i], self.block_tables[i], self.new_tables[i])
+            part.add(self.requests[i], self.num_new_tokens[i], self.new_block_ids[i], self.new_tables[i])
         return part
 
 
@@ -59,6 +66,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self._freed: list[Hashable] = []  # for the next plan
+        self._new_to_runner: set[Hashable] = set()  # forked requests: their next plan sends the whole table
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -70,7 +79,8 @@ class Scheduler:
         # A step that never confirmed its prefix blocks (it died before its forward pass wrote
         # them) must leave none findable: a safety net under the engine's own undo.
         self.kv.discard_unconfirmed()
-        out = SchedulerOutput()
+        out = SchedulerOutput(freed=self._freed)
+        self._freed = []
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -86,7 +96,10 @@ class Scheduler:
                 copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
             if copies is None:
                 break  # the request itself was the newest and is now waiting
-            out.add(request, num_new, self.kv.block_ids(request.request_id))
+            new_table = request.request_id in self._new_to_runner
+            self._new_to_runner.discard(request.request_id)
+            first = 0 if new_table else request.num_computed_tokens // self.kv.block_size
+            out.add(request, num_new, self.kv.block_ids(request.request_id, first), new_table)
             out.block_copies += copies
             budget -= num_new
             i += 1
@@ -104,7 +117,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_new = self.kv.num_tokens(request.request_id) - num_cached
-            out.add(request, num_new, self.kv.block_ids(request.request_id), new_table=True)
+            out.add(request, num_new, self.kv.block_ids(request.request_id), True)
             budget -= num_new
         return out
 
@@ -120,9 +133,10 @@ class Scheduler:
         preempted request is; the prefix cache still holds what earlier steps computed)."""
         self.kv.discard_unconfirmed()
         out.undone = True
+        self._freed += out.freed  # the runner may not have seen them
         for request in reversed(out.requests):
             self.running.remove(request)
-            self.kv.free(request.request_id)
+            self._release(request)
             request.status = RequestStatus.WAITING
             request.num_computed_tokens = 0
             self.waiting.appendleft(request)
@@ -133,6 +147,7 @@ class Scheduler:
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)
+        self._new_to_runner.add(child.request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of the schedule, whatever its state, and free its blocks."""
@@ -142,11 +157,16 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
         request.status = status
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        self._freed.append(request.request_id)
+        self._new_to_runner.discard(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request.request_id)
+        self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -102,8 +102,9 @@ class KVCacheManager:
     def __contains__(self, req_id: RequestId) -> bool:
         return req_id in self._tables
 
-    def block_ids(self, req_id: RequestId) -> list[int]:
-        return list(self._tables[req_id].block_ids)
+    def block_ids(self, req_id: RequestId, start: int = 0) -> list[int]:
+        """The request's block table from logical block `start` on (a copy)."""
+        return self._tables[req_id].block_ids[start:]
 
     def num_tokens(self, req_id: RequestId) -> int:
         return self._tables[req_id].num_tokens
