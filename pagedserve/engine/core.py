@@ -23,7 +23,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core_messages import CoreStats, EngineCoreRequest, SampleOutput, TokenLogprobs
 from pagedserve.engine.executor import Executor, UniProcExecutor
 from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.kv import KVCacheManager, KVCacheStats
 
@@ -100,6 +100,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed)
+        self.token_counts = TokenCounts(model_config.vocab_size, config.device)
         self.eos_token_ids = set(model_config.eos_token_ids) | set(eos_token_ids)
         self.stats = EngineStats()
         self._groups: dict[str, list[Request]] = {}  # user request id -> its samples
@@ -210,12 +211,13 @@ class EngineCore:
         """The part of a step that can fail: the forward pass and sampling. It changes no
         request: only the K/V slots the plan reserved and the draws of the rows' generators."""
         logits = self.executor.execute(plan, rows)
+        self.token_counts.forget(plan.freed)
         if not samplers:  # every request of the step is a prefill chunk with more to come
             return _StepResult(samplers, None)
         batch = SamplingBatch.build(
             [r.sampling_params for r in samplers], [r.prompt_token_ids for r in samplers],
             [r.output_token_ids for r in samplers], [r.generator for r in samplers], self.eos_token_ids,
-            logits.device)
+            logits.device, self.token_counts, [r.request_id for r in samplers])
         return _StepResult(samplers, self.sampler(logits, batch))
 
     def _commit(self, plan: SchedulerOutput, result: _StepResult) -> list[SampleOutput]:

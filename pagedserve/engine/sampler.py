@@ -9,6 +9,7 @@ from it alone, so its tokens do not depend on the other rows of the batch.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,9 @@ class SamplingBatch:
     min_p: Tensor | None
     generators: list[torch.Generator | None]
     # Per row. seen_token_ids = prompt + output (repetition penalty); output_token_ids for
-    # presence/frequency; both [num_rows, max_len] padded with _PAD.
+    # presence/frequency; both [num_rows, max_len] padded with _PAD. Or, from the engine's
+    # `TokenCounts`, the same as [num_rows, vocab] tensors already counted: seen (bool) and
+    # output_counts (float32); the padded ids are then None.
     repetition_penalty: Tensor | None
     seen_token_ids: Tensor | None
     presence_penalty: Tensor | None
@@ -44,6 +47,8 @@ class SamplingBatch:
     blocked: tuple[Tensor, Tensor] | None
     # Per row: how many top logprobs to return (None = no logprobs for that row).
     num_logprobs: list[int | None]
+    seen: Tensor | None = None
+    output_counts: Tensor | None = None
 
     @classmethod
     def build(
@@ -54,7 +59,11 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         eos_token_ids: set[int] | tuple[int, ...],
         device: torch.device | str,
+        counts: TokenCounts | None = None,
+        keys: list[Hashable] | None = None,
     ) -> SamplingBatch:
+        """`counts` (with each row's request id in `keys`): take the penalties' token counts from
+        there, kept from step to step, instead of padding every prompt and output again."""
         n = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == n
 
@@ -80,13 +89,20 @@ class SamplingBatch:
             min_p = floats([p.min_p for p in rp])
 
         repetition = seen = presence = frequency = outputs = None
-        if any(p.repetition_penalty != 1.0 for p in params):
+        uses_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        uses_frequency = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        seen_mask = output_counts = None
+        if counts is not None and (uses_repetition or uses_frequency):
+            seen_mask, output_counts = counts.rows(keys, prompt_token_ids, output_token_ids)
+        if uses_repetition:
             repetition = floats([p.repetition_penalty for p in params])
-            seen = padded([list(a) + list(b) for a, b in zip(prompt_token_ids, output_token_ids)])
-        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            if counts is None:
+                seen = padded([list(a) + list(b) for a, b in zip(prompt_token_ids, output_token_ids)])
+        if uses_frequency:
             presence = floats([p.presence_penalty for p in params])
             frequency = floats([p.frequency_penalty for p in params])
-            outputs = padded([list(o) for o in output_token_ids])
+            if counts is None:
+                outputs = padded([list(o) for o in output_token_ids])
 
         # vLLM blocks all stop tokens (eos unless ignore_eos, plus stop_token_ids) below min_tokens.
         blocked_rows: list[int] = []
@@ -117,7 +133,53 @@ class SamplingBatch:
             output_token_ids=outputs,
             blocked=blocked,
             num_logprobs=[p.logprobs for p in params],
+            seen=seen_mask,
+            output_counts=output_counts,
         )
+
+
+class TokenCounts:
+    """Each request's token counts over the vocabulary, for the penalties, kept from step to step.
+
+    Padding every prompt and output into a new tensor each step costs O(all their tokens) of
+    Python per step. Here a request's prompt is counted once, and each step adds only the output
+    tokens it produced since (outputs only ever grow, even when a request is preempted or a step
+    is undone). Made only for requests in a batch where some row uses a penalty; the engine
+    forgets the requests the scheduler freed."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._prompt_seen: dict[Hashable, Tensor] = {}  # bool [vocab]
+        self._output: dict[Hashable, Tensor] = {}  # float32 [vocab]
+        self._num_counted: dict[Hashable, int] = {}  # output tokens in _output
+
+    def rows(self, keys: list[Hashable], prompts: list[list[int]], outputs: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """(seen: prompt or output, [rows, vocab] bool; output counts, [rows, vocab] float32)."""
+        for key, prompt, output in zip(keys, prompts, outputs):
+            if key not in self._output:
+                seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+                seen[torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
+                self._prompt_seen[key] = seen
+                self._output[key] = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+                self._num_counted[key] = 0
+            new = output[self._num_counted[key]:]
+            if new:
+                ids = torch.tensor(new, dtype=torch.long, device=self.device)
+                self._output[key].index_add_(0, ids, torch.ones(len(new), device=self.device))
+                self._num_counted[key] = len(output)
+        counts = torch.stack([self._output[k] for k in keys])
+        seen = torch.stack([self._prompt_seen[k] for k in keys]) | (counts > 0)
+        return seen, counts
+
+    def forget(self, keys) -> None:
+        for key in keys:
+            self._prompt_seen.pop(key, None)
+            self._output.pop(key, None)
+            self._num_counted.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._output)
 
 
 @dataclass
@@ -195,13 +257,14 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     vocab_size = logits.shape[1]
     if batch.repetition_penalty is not None:
         # HF/vLLM: seen tokens' positive logits are divided by the penalty, negative multiplied.
-        seen = _bin_counts(batch.seen_token_ids, vocab_size) > 0
+        seen = batch.seen if batch.seen is not None else _bin_counts(batch.seen_token_ids, vocab_size) > 0
         penalty = batch.repetition_penalty.unsqueeze(1)
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if batch.frequency_penalty is not None:
         # OpenAI definition, over output tokens only.
-        counts = _bin_counts(batch.output_token_ids, vocab_size)
+        counts = (batch.output_counts if batch.output_counts is not None
+                  else _bin_counts(batch.output_token_ids, vocab_size))
         logits = (logits
                   - batch.frequency_penalty.unsqueeze(1) * counts
                   - batch.presence_penalty.unsqueeze(1) * (counts > 0))

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.engine.sampler import Sampler, SamplingBatch, apply_penalties
+from pagedserve.engine.sampler import Sampler, SamplingBatch, TokenCounts, apply_penalties
 from pagedserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -277,3 +277,30 @@ def test_top_k_larger_than_vocab_and_ties():
     assert set(sample(logits, [SamplingParams(top_k=1)] * 2000).token_ids) == {0, 1}  # ties at the k-th stay
     assert set(sample(logits, [SamplingParams(top_k=100)] * 2000).token_ids) == {0, 1, 2}
     assert set(sample(logits, [SamplingParams(top_k=100, top_p=0.99)] * 2000).token_ids) == {0, 1, 2}
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_kept_token_counts_penalise_exactly_as_padding_every_step(data):
+    """TokenCounts (the engine's: prompts counted once, outputs as they grow, requests forgotten
+    when freed) gives the same penalised logits as padding every prompt and output anew."""
+    vocab = 12
+    counts = TokenCounts(vocab)
+    tokens = st.lists(st.integers(0, vocab - 1), max_size=6)
+    requests = {k: (data.draw(tokens), []) for k in range(4)}
+    params = {k: SamplingParams(repetition_penalty=data.draw(st.sampled_from([1.0, 1.5])),
+                                frequency_penalty=data.draw(st.sampled_from([0.0, 0.7])),
+                                presence_penalty=data.draw(st.sampled_from([0.0, -0.4])))
+              for k in requests}
+    for step in range(data.draw(st.integers(1, 6))):
+        keys = data.draw(st.lists(st.sampled_from(sorted(requests)), min_size=1, max_size=4, unique=True))
+        for k in keys:  # each request in the batch gained 0..2 output tokens since it was last sampled
+            requests[k][1].extend(data.draw(st.lists(st.integers(0, vocab - 1), max_size=2)))
+        if data.draw(st.booleans()):  # freed (finished or preempted): counted again from scratch later
+            counts.forget([data.draw(st.sampled_from(sorted(requests)))])
+        ps = [params[k] for k in keys]
+        prompts, outputs = [requests[k][0] for k in keys], [requests[k][1] for k in keys]
+        logits = rand_logits(len(keys), vocab, seed=step)
+        kept = SamplingBatch.build(ps, prompts, outputs, [None] * len(keys), (EOS,), "cpu", counts, keys)
+        fresh = build(ps, prompts=prompts, outputs=outputs)
+        assert torch.equal(apply_penalties(logits, kept), apply_penalties(logits, fresh))
