@@ -24,7 +24,8 @@ from torch import Tensor
 
 from pagedserve.attention import cpu_kernel
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import attend, gather_blocks, store_kv, unit_scales, visible
+from pagedserve.attention.kv_cache import gather_blocks, store_kv, unit_scales
+from pagedserve.attention.torch_ref import attend, visible
 from pagedserve.kv.sizes import cdiv
 
 

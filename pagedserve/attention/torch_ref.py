@@ -7,54 +7,13 @@ result. An fp8 cache holds K/V divided by its layer's scales (`kv_quant`); reads
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedserve.attention.kv_quant import as_bytes, dequantize, is_fp8, quantize
+from pagedserve.attention.kv_cache import gather_blocks, store_kv, unit_scales
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kv.sizes import cdiv, kv_bytes_per_token
-
-
-class KVCache(NamedTuple):
-    """One layer's cache."""
-
-    k: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v: Tensor
-    scales: Tensor  # [2] float32: K's and V's scale, read only by an fp8 cache
-
-
-def allocate_kv_cache(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-) -> list[KVCache]:
-    """One KVCache per layer, K and V each [num_blocks, block_size, num_kv_heads, head_dim] of
-    `dtype` (the cache's element type: the model's, or kv_quant.FP8_DTYPE), scales 1.0.
-
-    Zero-filled: a slot nobody wrote is masked out, but 0 * NaN would still leak garbage into the
-    probability-weighted sum of V.
-    """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                torch.ones(2, dtype=torch.float32, device=device))
-        for _ in range(num_layers)
-    ]
-
-
-def num_blocks_for_bytes(
-    budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """How many blocks allocate_kv_cache can make within budget_bytes (K and V, all layers)."""
-    per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype.itemsize)
-    return budget_bytes // per_block
+from pagedserve.kv.sizes import cdiv
 
 
 def paged_attention(
@@ -99,24 +58,6 @@ def paged_attention(
         mask = visible(query_pos, seq_len, sliding_window)
         out[start:end] = attend(q[None, start:end], keys[None], values[None], mask[None], scale)[0]
     return out
-
-
-def unit_scales(kv_scales: Tensor | None, device: torch.device) -> Tensor:
-    return kv_scales if kv_scales is not None else torch.ones(2, dtype=torch.float32, device=device)
-
-
-def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor, kv_scales: Tensor) -> None:
-    """Write each new token's K/V row into its slot (an fp8 cache: divided by the scale)."""
-    for cache, x, scale in ((k_cache, k, kv_scales[0]), (v_cache, v, kv_scales[1])):
-        if is_fp8(cache):
-            x = quantize(x, scale)
-        as_bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, as_bytes(x))
-
-
-def gather_blocks(cache: Tensor, block_ids: Tensor, dtype: torch.dtype, scale: Tensor) -> Tensor:
-    """cache[block_ids] (any shape of ids) as `dtype` (an fp8 cache: times the scale)."""
-    rows = as_bytes(cache).index_select(0, block_ids.flatten())
-    return dequantize(rows.view(cache.dtype).view(*block_ids.shape, *cache.shape[1:]), dtype, scale)
 
 
 def visible(query_pos: Tensor, num_keys: int, sliding_window: int | None) -> Tensor:

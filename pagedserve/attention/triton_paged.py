@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.attention.kv_cache import unit_scales
 from pagedserve.attention.kv_quant import FP8_MAX, is_fp8
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import unit_scales
 
 BLOCK_M = 16  # new tokens per prefill program
 # Decode splits a request's context into parts of PARTITION_TOKENS when fewer than

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import KVCache
 
 CAPTURE_SIZES = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
 

@@ -10,9 +10,8 @@ import gc
 
 import torch
 
-from pagedserve.attention.kv_quant import as_bytes
+from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache, copy_blocks
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import KVCache, allocate_kv_cache
 from pagedserve.config import EngineConfig
 from pagedserve.engine.block_table_rows import BlockTableRows
 from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -132,11 +131,4 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy-on-write: give each destination block its source's K/V, in every layer."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
-            for blocks in (cache.k, cache.v):
-                blocks = as_bytes(blocks)
-                blocks[dst] = blocks[src]
+        copy_blocks(self.kv_caches, copies)

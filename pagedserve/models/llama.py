@@ -11,9 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from pagedserve.attention import paged_attention
+from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.kv_quant import calibrated_scale
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import KVCache
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.layers import GatedMLP, Linear, OneDNNWeight, RMSNorm, RotaryEmbedding, apply_rotary, linear
 

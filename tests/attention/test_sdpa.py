@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.attention import cpu_kernel, metadata, sdpa, torch_ref
+from pagedserve.attention import cpu_kernel, kv_cache, metadata, sdpa, torch_ref
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -39,7 +39,7 @@ def random_step(reqs, block_size, kv_heads, heads, dim, gen):
     for n in needed:
         tables.append(perm[used:used + n])
         used += n
-    [(k_cache, v_cache, _)] = torch_ref.allocate_kv_cache(1, num_blocks, block_size, kv_heads, dim, torch.float32)
+    [(k_cache, v_cache, _)] = kv_cache.allocate_kv_cache(1, num_blocks, block_size, kv_heads, dim, torch.float32)
     for table, (computed, _) in zip(tables, reqs):
         for t in range(computed):
             k_cache[table[t // block_size], t % block_size] = torch.randn(kv_heads, dim, generator=gen)

@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedserve.attention.kv_cache import allocate_kv_cache
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import allocate_kv_cache, num_blocks_for_bytes, paged_attention
+from pagedserve.attention.torch_ref import paged_attention
 
 
 def dense_attention(q, k, v, context_len: int, scale: float, window: int | None) -> torch.Tensor:
@@ -109,17 +110,3 @@ def test_metadata_by_hand():
 def test_metadata_rejects_inconsistent_steps(tables, computed, new, match):
     with pytest.raises(ValueError, match=match):
         AttentionMetadata.build(tables, computed, new, block_size=4)
-
-
-def test_allocate_and_budget():
-    caches = allocate_kv_cache(3, 10, 16, 2, 8, torch.float32, "cpu")
-    assert len(caches) == 3
-    for k, v, scales in caches:
-        assert k.shape == v.shape == (10, 16, 2, 8) and k.data_ptr() != v.data_ptr()
-        assert not k.any() and not v.any()
-        assert scales.tolist() == [1.0, 1.0]
-    per_block = 2 * 3 * 16 * 2 * 8 * 4
-    assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.float32) == 10
-    assert num_blocks_for_bytes(10 * per_block - 1, 3, 16, 2, 8, torch.float32) == 9
-    assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.bfloat16) == 20
-    assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.float8_e4m3fn) == 40

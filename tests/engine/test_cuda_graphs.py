@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import KVCache, allocate_kv_cache
 from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.models.loader import load_model
 
