@@ -10,10 +10,10 @@ fewer and cheaper ops per layer:
   block at a time (`index_select` of contiguous rows) and read as [batch, kv_heads, keys, dim]
   strided views, stays in cache while SDPA reads it. Within a group, the query heads that share a
   KV head are that head's query rows, so grouped-query attention copies nothing;
-- multi-token requests (prompts, chunks) run one at a time in the oracle's own arithmetic
-  (`torch_ref.attend`, transformers' order of operations);
+- multi-token requests (prompts, chunks) run one at a time in `attend`: transformers' eager
+  order of operations, bit for bit what the oracle computes;
 - masks are built once per step by the first layer and reused by the others (`md.cache`);
-- an fp8 cache is gathered as bytes and dequantized per group or request (`torch_ref.gather_blocks`).
+- an fp8 cache is gathered as bytes and dequantized per group or request (`kv_cache.gather_blocks`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from torch import Tensor
 from pagedserve.attention import cpu_kernel
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.kv_cache import gather_blocks, store_kv, unit_scales
-from pagedserve.attention.torch_ref import attend, visible
 from pagedserve.kv.sizes import cdiv
 
 
@@ -91,10 +90,40 @@ def _decode_bias(md: AttentionMetadata, i: int, num_keys: int, window: int | Non
 
 
 def _prefill_mask(md: AttentionMetadata, i: int, window: int | None) -> Tensor:
-    """Boolean mask [new tokens, seq_len] of multi-token request i, as the oracle builds it."""
+    """Boolean mask [new tokens, seq_len] of multi-token request i."""
     key = ("prefill", i, window)
     if key not in md.cache:
         seq_len, num_new = md.seq_lens_cpu[i], md.query_start_loc_cpu[i + 1] - md.query_start_loc_cpu[i]
         query_pos = torch.arange(seq_len - num_new, seq_len, device=md.block_tables.device)[:, None]
         md.cache[key] = visible(query_pos, seq_len, window)
     return md.cache[key]
+
+
+def visible(query_pos: Tensor, num_keys: int, sliding_window: int | None) -> Tensor:
+    """[..., num_queries, num_keys] bool: which key positions each query position may see."""
+    key_pos = torch.arange(num_keys, device=query_pos.device)
+    mask = key_pos <= query_pos  # causal; also hides padding past each request's end
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return mask
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Softmax attention with grouped KV heads, in transformers' eager order of operations
+    (scale after q @ k^T, softmax in float32).
+
+    q: [batch, queries, heads, dim]; k, v: [batch, keys, kv_heads, dim]; mask: [batch, queries, keys].
+    Query head h reads KV head h // group. The group's heads are folded into the query rows, so
+    one matmul per KV head serves them all without copying K and V for each query head.
+    """
+    batch, num_q, num_heads, dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    q = q.view(batch, num_q, num_kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, -1, dim)
+    k = k.permute(0, 2, 1, 3)  # [batch, kv_heads, keys, dim]
+    v = v.permute(0, 2, 1, 3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, kv_heads, group * queries, keys]
+    scores = scores.view(batch, num_kv_heads, group, num_q, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs.flatten(2, 3), v)  # [batch, kv_heads, group * queries, dim]
+    return out.view(batch, num_kv_heads, group, num_q, dim).permute(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, dim)

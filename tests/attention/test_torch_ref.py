@@ -1,6 +1,10 @@
-"""Paged attention against dense attention: paging changes where K/V live, never the result."""
+"""The oracle (attention/torch_ref.py): paged attention against dense attention (paging changes
+where K/V live, never the result), and it shares no code with the backends it checks."""
 
 from __future__ import annotations
+
+import ast
+import inspect
 
 import pytest
 import torch
@@ -9,6 +13,7 @@ from hypothesis import strategies as st
 
 from pagedserve.attention.kv_cache import allocate_kv_cache
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention import torch_ref
 from pagedserve.attention.torch_ref import paged_attention
 
 
@@ -110,3 +115,31 @@ def test_metadata_by_hand():
 def test_metadata_rejects_inconsistent_steps(tables, computed, new, match):
     with pytest.raises(ValueError, match=match):
         AttentionMetadata.build(tables, computed, new, block_size=4)
+
+
+# What the oracle may import from pagedserve: fp8 rounding and the step's inputs, nothing that computes attention.
+ORACLE_MAY_IMPORT = {"pagedserve.attention.kv_quant", "pagedserve.attention.metadata"}
+
+
+def imported_modules(source: str) -> set[str]:
+    """Every module an `import` or `from ... import` in source names, the names imported from a
+    package counted as its submodules (`from pagedserve.attention import sdpa` -> ...attention.sdpa)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_oracle_imports_no_backend_code():
+    imported = imported_modules(inspect.getsource(torch_ref))
+    ours = {m for m in imported if m.startswith(("pagedserve", "."))}
+    # `from pagedserve.attention.kv_quant import quantize` names ...kv_quant.quantize too: not a module.
+    stray = {m for m in ours if not any(m == ok or m.startswith(ok + ".") for ok in ORACLE_MAY_IMPORT)}
+    assert not stray, f"torch_ref must not use production attention code: {sorted(stray)}"
+    assert {"pagedserve.attention.kv_quant", "pagedserve.attention.metadata"} <= imported  # the check sees imports
+    assert imported_modules("from pagedserve.attention import sdpa\nimport pagedserve.attention.kv_cache") >= {
+        "pagedserve.attention.sdpa", "pagedserve.attention.kv_cache"}
