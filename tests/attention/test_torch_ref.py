@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.attention.kv_cache import allocate_kv_cache
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.metadata import AttentionMetadata, BatchedDecodeMetadata
 from pagedserve.attention import torch_ref
 from pagedserve.attention.torch_ref import paged_attention
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def dense_attention(q, k, v, context_len: int, scale: float, window: int | None) -> torch.Tensor:
@@ -89,7 +95,7 @@ def test_paged_matches_dense(batch):
 
 def test_metadata_by_hand():
     # Request 0 decodes its 6th token; request 1 prefills 3 tokens; request 2 is a 1-token prompt.
-    md = AttentionMetadata.build([[3, 7, 9], [5], [2]], [5, 0, 0], [1, 3, 1], block_size=4)
+    md = BatchedDecodeMetadata.build([[3, 7, 9], [5], [2]], [5, 0, 0], [1, 3, 1], block_size=4)
     assert md.slot_mapping.tolist() == [7 * 4 + 1, 20, 21, 22, 8]
     assert md.positions.tolist() == [5, 0, 1, 2, 0]
     assert md.block_tables.tolist() == [[3, 7], [5, 0], [2, 0]]  # trimmed to need, padded with 0
@@ -143,3 +149,15 @@ def test_the_oracle_imports_no_backend_code():
     assert {"pagedserve.attention.kv_quant", "pagedserve.attention.metadata"} <= imported  # the check sees imports
     assert imported_modules("from pagedserve.attention import sdpa\nimport pagedserve.attention.kv_cache") >= {
         "pagedserve.attention.sdpa", "pagedserve.attention.kv_cache"}
+
+
+def test_importing_the_oracle_loads_no_backend():
+    """At run time too: importing torch_ref (and the package it sits in) loads no backend module."""
+    code = ("import sys, pagedserve.attention.torch_ref; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('pagedserve.attention'))))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = set(result.stdout.split())
+    assert "pagedserve.attention.torch_ref" in loaded
+    assert loaded <= {"pagedserve.attention", "pagedserve.attention.torch_ref"} | ORACLE_MAY_IMPORT, loaded
