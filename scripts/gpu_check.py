@@ -84,7 +84,8 @@ def main() -> None:
             out = triton_paged.paged_attention(q, k, v, kc8, vc8, md, dim**-0.5, None, scales)
             ref = torch_ref.paged_attention(q.float(), k.float(), v.float(), kc8, vc8, md, dim**-0.5, None, scales)
             print(f"  fp8 cache: max abs err {(out.float() - ref).abs().max():.2e}")
-        print("batch | context | triton ms | GB/s | torch backend ms | SDPA contiguous ms" + (" | triton fp8 ms" if fp8_ok else ""))
+        print("batch | context | triton ms | GB/s | torch backend ms | SDPA contiguous ms"
+              + (" | triton fp8 ms" if fp8_ok else ""))
         for batch in batches:
             for context in contexts:
                 if batch * context * kv_heads * dim * 2 * dtype.itemsize > 20e9:

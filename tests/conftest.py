@@ -22,8 +22,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from pagedserve.attention.kv_cache import allocate_kv_cache
 from pagedserve.attention import get_backend
+from pagedserve.attention.kv_cache import allocate_kv_cache
 
 _DIMS = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

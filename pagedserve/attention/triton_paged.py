@@ -321,8 +321,8 @@ def paged_attention(
                                      PARTS_PAD=triton.next_power_of_2(parts), HEAD_DIM=head_dim, HEAD_PAD=head_pad)
     if md.prefill_req_indices:
         _prefill[(len(md.prefill_req_indices), num_heads, triton.cdiv(md.max_query_len, BLOCK_M))](
-            q, k_cache, v_cache, out, md.prefill_req_ids, md.query_start_loc, tables, md.seq_lens, tables.stride(0), scale,
-            window, kv_scales, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            q, k_cache, v_cache, out, md.prefill_req_ids, md.query_start_loc, tables, md.seq_lens, tables.stride(0),
+            scale, window, kv_scales, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=use_dot, FP8=fp8, F32=f32,
         )
     return out
@@ -335,7 +335,8 @@ class TritonBackend:
     forward = staticmethod(paged_attention)
 
     def build_metadata(self, block_tables: list[list[int]] | Tensor, num_computed_tokens: list[int],
-                       num_new_tokens: list[int], block_size: int, device: torch.device | str = "cpu") -> TritonMetadata:
+                       num_new_tokens: list[int], block_size: int,
+                       device: torch.device | str = "cpu") -> TritonMetadata:
         return TritonMetadata.build(block_tables, num_computed_tokens, num_new_tokens, block_size, device, backend=self)
 
     def static_decode_metadata(self, slot_mapping: Tensor, positions: Tensor, block_tables: Tensor, seq_lens: Tensor,
