@@ -1,5 +1,6 @@
 """GPU check of the Triton attention backend: correctness against the torch oracle, then decode
-kernel time and achieved bandwidth against the oracle and against SDPA on a contiguous cache.
+kernel time and achieved bandwidth against the torch backend (attention_backend="torch", on the GPU
+its decodes run through SDPA in length groups) and against SDPA on a contiguous cache.
 
     python scripts/gpu_check.py                  # on a CUDA machine
     TRITON_INTERPRET=1 python scripts/gpu_check.py --device cpu --smoke   # tiny shapes, no GPU
@@ -19,9 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention import torch_ref, triton_paged
+from pagedserve.attention import sdpa, torch_ref, triton_paged
 from pagedserve.attention.kv_quant import quantize
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kv.sizes import cdiv
 
 
@@ -46,7 +46,7 @@ def decode_case(batch, context, heads, kv_heads, dim, dtype, device, block_size=
     shape = (batch * blocks_per_req, block_size, kv_heads, dim)
     k_cache = torch.randn(shape, dtype=dtype, device=device)
     v_cache = torch.randn(shape, dtype=dtype, device=device)
-    md = AttentionMetadata.build(tables, [context - 1] * batch, [1] * batch, block_size, device)
+    md = triton_paged.TritonBackend().build_metadata(tables, [context - 1] * batch, [1] * batch, block_size, device)
     q = torch.randn(batch, heads, dim, dtype=dtype, device=device)
     k = k_cache.view(-1, kv_heads, dim)[md.slot_mapping].clone()
     v = v_cache.view(-1, kv_heads, dim)[md.slot_mapping].clone()
@@ -84,14 +84,17 @@ def main() -> None:
             out = triton_paged.paged_attention(q, k, v, kc8, vc8, md, dim**-0.5, None, scales)
             ref = torch_ref.paged_attention(q.float(), k.float(), v.float(), kc8, vc8, md, dim**-0.5, None, scales)
             print(f"  fp8 cache: max abs err {(out.float() - ref).abs().max():.2e}")
-        print("batch | context | triton ms | GB/s | torch_ref ms | SDPA contiguous ms" + (" | triton fp8 ms" if fp8_ok else ""))
+        print("batch | context | triton ms | GB/s | torch backend ms | SDPA contiguous ms"
+              + (" | triton fp8 ms" if fp8_ok else ""))
         for batch in batches:
             for context in contexts:
                 if batch * context * kv_heads * dim * 2 * dtype.itemsize > 20e9:
                     continue
                 q, k, v, kc, vc, md = decode_case(batch, context, heads, kv_heads, dim, dtype, device)
                 t_triton = timeit(lambda: triton_paged.paged_attention(q, k, v, kc, vc, md, dim**-0.5), device, reps)
-                t_ref = timeit(lambda: torch_ref.paged_attention(q, k, v, kc, vc, md, dim**-0.5), device, reps) \
+                torch_md = sdpa.SdpaBackend().build_metadata(md.block_tables.cpu(), [context - 1] * batch, [1] * batch,
+                                                             md.block_size, device)
+                t_torch = timeit(lambda: sdpa.paged_attention(q, k, v, kc, vc, torch_md, dim**-0.5), device, reps) \
                     if batch * context <= 32 * 8192 else float("nan")
                 # The pool read as if each request owned a contiguous run: same tokens, no table.
                 kd = kc.view(batch, -1, kv_heads, dim).transpose(1, 2)[:, :, :context]
@@ -100,7 +103,7 @@ def main() -> None:
                                 device, reps)
                 kv_bytes = 2 * batch * context * kv_heads * dim * dtype.itemsize
                 line = (f"{batch} | {context} | {t_triton * 1e3:.3f} | {kv_bytes / t_triton / 1e9:.0f} | "
-                        f"{t_ref * 1e3:.3f} | {t_sdpa * 1e3:.3f}")
+                        f"{t_torch * 1e3:.3f} | {t_sdpa * 1e3:.3f}")
                 if fp8_ok:
                     kc8, vc8 = quantize(kc, scales[0]), quantize(vc, scales[1])
                     t_fp8 = timeit(lambda: triton_paged.paged_attention(q, k, v, kc8, vc8, md, dim**-0.5, None, scales),

@@ -36,7 +36,6 @@ from triton.runtime.jit import create_function_from_signature
 
 from pagedserve.attention import triton_paged
 from pagedserve.attention.kv_quant import FP8_DTYPE
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kv.sizes import cdiv
 
 KERNELS = ("_write_kv", "_decode", "_combine", "_prefill")
@@ -80,7 +79,7 @@ def record_step(block_size: int, kv_heads: int, group: int, dim: int, model_dtyp
     reqs = [(70 * block_size - 5, 1), (3, 1), (0, 20), (2 * block_size, 7)]  # (cached, new) tokens
     needed = [cdiv(c + n, block_size) for c, n in reqs]
     tables = [list(range(sum(needed[:i]), sum(needed[:i + 1]))) for i in range(len(reqs))]
-    md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
+    md = triton_paged.TritonBackend().build_metadata(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
     num_tokens = sum(n for _, n in reqs)
     cache = torch.zeros(sum(needed), block_size, kv_heads, dim, dtype=cache_dtype)
     q = torch.zeros(num_tokens, kv_heads * group, dim, dtype=model_dtype)

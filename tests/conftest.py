@@ -22,8 +22,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import allocate_kv_cache
+from pagedserve.attention import get_backend
+from pagedserve.attention.kv_cache import allocate_kv_cache
 
 _DIMS = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -139,7 +139,7 @@ class PagedHarness:
             total = self.computed.setdefault(req, 0) + len(tokens)
             while len(table) * self.block_size < total:
                 table.append(self.free.pop())
-        md = AttentionMetadata.build(
+        md = get_backend("torch").build_metadata(
             [self.tables[r] for r, _ in batch], [self.computed[r] for r, _ in batch],
             [len(t) for _, t in batch], self.block_size, "cpu",
         )

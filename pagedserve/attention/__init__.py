@@ -1,23 +1,62 @@
-"""Paged attention: per-step metadata and the backends that read K/V through block tables.
+"""Paged attention: the KV cache layout, per-step metadata, and the backends that read K/V through
+block tables.
 
-Every backend has the contract of `torch_ref.paged_attention`; a step's metadata names the one to
-use (`AttentionMetadata.backend`, from the engine's `attention_backend`):
-- "torch": `sdpa.paged_attention`, the CPU hot path (with the C decode kernel), also correct on GPUs;
-- "triton": `triton_paged.paged_attention`, Triton kernels for GPUs (imported only when chosen).
+The engine picks its backend once, by the `attention_backend` it was configured with
+(`get_backend`). Each step, that backend builds the step's metadata; every attention layer runs
+the backend the metadata names (`md.backend.forward`). Backends:
+- "torch": `sdpa.SdpaBackend`, the CPU hot path (with the C decode kernel), also correct on GPUs;
+- "triton": `triton_paged.TritonBackend`, Triton kernels for GPUs (imported only when chosen).
+`torch_ref` is the oracle the tests check both against; nothing in production uses it.
+
+Nothing is imported here at module level, so that importing one module of the package (the
+oracle, say) loads no backend.
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import TYPE_CHECKING, Protocol
 
-from pagedserve.attention import sdpa
-from pagedserve.attention.metadata import AttentionMetadata
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from pagedserve.attention.metadata import AttentionMetadata
+
+BACKENDS = ("torch", "triton")
 
 
-def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None, kv_scales: Tensor | None = None) -> Tensor:
-    if md.backend == "triton":
-        from pagedserve.attention import triton_paged
+class AttentionBackend(Protocol):
+    """An attention implementation: builds each step's metadata, then runs every layer on it."""
 
-        return triton_paged.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, kv_scales)
-    return sdpa.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, kv_scales)
+    name: str  # the attention_backend value that selects it
+
+    def build_metadata(
+        self,
+        block_tables: list[list[int]] | Tensor,
+        num_computed_tokens: list[int],
+        num_new_tokens: list[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """The step's metadata (see `AttentionMetadata.build` for the arguments), with this
+        backend as its `backend`."""
+        ...
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
+                scale: float, sliding_window: int | None = None, kv_scales: Tensor | None = None) -> Tensor:
+        """Store this step's K/V in their slots, then attend for every request over its whole context:
+        the contract of `torch_ref.paged_attention`."""
+        ...
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The backend an engine configured with attention_backend=`name` runs ("torch" or "triton")."""
+    if name == "torch":
+        from pagedserve.attention.sdpa import SdpaBackend
+
+        return SdpaBackend()
+    if name == "triton":
+        from pagedserve.attention.triton_paged import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")

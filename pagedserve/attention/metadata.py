@@ -1,54 +1,50 @@
 """AttentionMetadata: where one step's new tokens go in the KV cache and what each request reads.
 
-Built once per step by the model runner and passed down to every attention layer as an argument.
+Built once per step by the engine's attention backend (`AttentionBackend.build_metadata`) and
+passed down to every attention layer, which runs that backend on it (`md.backend`).
+- `AttentionMetadata` is the part the model runner and every backend read: slots, positions,
+  block tables, lengths, where each request's tokens sit in the batch.
+- A backend that needs more derives its own class and adds it. Both production backends split
+  the step the same way (`BatchedDecodeMetadata`); the torch backend adds its SDPA decode groups
+  and masks (`sdpa.SdpaMetadata`), the Triton backend its prefill request ids on the device
+  (`triton_paged.TritonMetadata`). The oracle (torch_ref) reads the common part only.
 
 Conventions:
 - The batch is flat: request i owns tokens query_start_loc[i]:query_start_loc[i+1] of the step,
   which are its context positions num_computed_tokens[i] .. seq_lens[i]-1, in order.
-- Requests may come in any order. Every request with exactly one new token (a decode step, or a
-  one-token prompt or chunk) takes the decode fast path: one gather through `decode_block_tables`
-  serves all of them at once. Requests with more new tokens (fresh prompts, prompts whose first
-  blocks came from the prefix cache, prefill chunks) are attended one request at a time.
+- Requests may come in any order.
 - Block tables are padded with block 0; padded and not-yet-written slots sit beyond a request's
   seq_len and the causal mask hides them.
-- `decode_groups` split the one-token requests into a few groups of similar context length, so
-  that padding each group to its longest member reads little more K/V than the requests own.
-  They are built on first use, as only the SDPA decode path reads them.
-  Everything here is computed once per step; attention layers only index with it, and may keep
-  per-step tensors they derive from it (masks) in `cache`.
+- Everything here is computed once per step; attention layers only index with it.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
 from pagedserve.kv.sizes import cdiv
 
-# A decode group ends where a request's context falls below DECODE_GROUP_RATIO of the group's
-# longest (padding then wastes under 20% of the K/V a group reads), or where it would hold more
-# than DECODE_GROUP_MAX_KEYS keys in all (1.5 MB each of K and V per layer for the embedded model, so
-# a group's gathered K/V is still in cache when attention reads it: on the 2-core test machine, 64
-# decodes of 150-240 tokens took 6.3 ms per layer in capped groups, 8.7 ms without the cap).
-DECODE_GROUP_RATIO = 0.8
-DECODE_GROUP_MAX_KEYS = 2048
+if TYPE_CHECKING:
+    from pagedserve.attention import AttentionBackend
+
+M = TypeVar("M", bound="AttentionMetadata")
 
 
-@dataclass
-class DecodeGroup:
-    """One-token requests attended together, each padded to the group's longest context."""
+class HostStep(NamedTuple):
+    """A step's shape on the host, from which each metadata class builds its tensors."""
 
-    token_indices: Tensor  # [n] batch index of each request's token
-    block_ids: Tensor      # [n * num_blocks] their block tables, padded with block 0, flattened
-    seq_lens: Tensor       # [n] context lengths (the new token's position + 1)
-    num_blocks: int        # blocks read per request
+    tables: Tensor              # [num_reqs, max blocks needed] int64 block ids, padded with 0
+    blocks_needed: list[int]    # blocks each request's context spans
+    num_new_tokens: list[int]
+    seq_lens: list[int]
+    query_start_loc: list[int]  # [num_reqs + 1]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AttentionMetadata:
     # Device tensors, all int64.
     slot_mapping: Tensor         # [num_tokens] block * block_size + offset of each new token
@@ -57,37 +53,15 @@ class AttentionMetadata:
     query_start_loc: Tensor      # [num_reqs + 1] offsets of each request's tokens in the batch
     positions: Tensor            # [num_tokens] context position of each new token
     logits_indices: Tensor       # [num_reqs] index of each request's last token in the batch
-    decode_token_indices: Tensor  # [num_decodes] batch index of each one-token request's token
-    decode_block_tables: Tensor  # [num_decodes, decode_max_blocks] their block tables
-    decode_seq_lens: Tensor      # [num_decodes] their context lengths
     # Host-side copies, so the attention loop never waits on the device.
     block_size: int
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    num_decodes: int
-    prefill_req_indices: list[int]  # requests with more than one new token
-    backend: str = "torch"  # which attention implementation layers call (see attention/__init__.py)
     calculate_kv_scales: bool = False  # layers set their fp8 cache's scales from this step's K/V
-    # Per-step tensors that attention layers derive from the above (e.g. masks), built by the
-    # first layer that needs them and reused by the others.
-    cache: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
-
-    @functools.cached_property
-    def decode_groups(self) -> list[DecodeGroup]:
-        qsl, seq_lens, device = self.query_start_loc_cpu, self.seq_lens_cpu, self.block_tables.device
-        decodes = [i for i in range(self.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        groups = []
-        for members in _group_by_length(sorted(decodes, key=lambda i: -seq_lens[i]), seq_lens):
-            num_blocks = cdiv(seq_lens[members[0]], self.block_size)
-            groups.append(DecodeGroup(
-                token_indices=torch.tensor([qsl[i] for i in members], dtype=torch.int64, device=device),
-                block_ids=self.block_tables[torch.tensor(members, device=device), :num_blocks].flatten(),
-                seq_lens=torch.tensor([seq_lens[i] for i in members], dtype=torch.int64, device=device),
-                num_blocks=num_blocks,
-            ))
-        return groups
+    # The backend that built this metadata: every attention layer of the step runs it.
+    backend: AttentionBackend | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -99,13 +73,14 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls,
+        cls: type[M],
         block_tables: list[list[int]] | Tensor,
         num_computed_tokens: list[int],
         num_new_tokens: list[int],
         block_size: int,
         device: torch.device | str = "cpu",
-    ) -> AttentionMetadata:
+        backend: AttentionBackend | None = None,
+    ) -> M:
         """Metadata for one step. Request i has num_computed_tokens[i] tokens already in its blocks
         and runs num_new_tokens[i] new ones; block_tables[i] must cover all of them (extra blocks
         at the end are allowed and ignored). block_tables may also come as a host tensor, padded
@@ -144,8 +119,7 @@ class AttentionMetadata:
                      + torch.tensor(num_computed_tokens, dtype=torch.int64)[req_of_token])
         slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
 
-        decodes = [i for i, n in enumerate(num_new_tokens) if n == 1]
-        decode_max_blocks = max((needed[i] for i in decodes), default=0)
+        step = HostStep(tables, needed, num_new_tokens, seq_lens, query_start_loc)
         return cls(
             slot_mapping=slots.to(device),
             block_tables=tables.to(device),
@@ -153,27 +127,43 @@ class AttentionMetadata:
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=device),
             positions=positions.to(device),
             logits_indices=torch.tensor(query_start_loc[1:], dtype=torch.int64, device=device) - 1,
-            decode_token_indices=starts[decodes].to(device),
-            decode_block_tables=tables[decodes, :decode_max_blocks].to(device),
-            decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64, device=device),
             block_size=block_size,
             seq_lens_cpu=seq_lens,
             query_start_loc_cpu=query_start_loc,
             max_query_len=max(num_new_tokens),
             max_seq_len=max(seq_lens),
-            num_decodes=len(decodes),
-            prefill_req_indices=[i for i, n in enumerate(num_new_tokens) if n > 1],
+            backend=backend,
+            **cls.backend_fields(step, device),
         )
 
+    @classmethod
+    def backend_fields(cls, step: HostStep, device: torch.device | str) -> dict[str, Any]:
+        """The fields a subclass adds, computed from the step's host-side shape: none here."""
+        return {}
 
-def _group_by_length(reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Split requests sorted by decreasing length into runs whose shortest member is at least
-    DECODE_GROUP_RATIO of the run's longest and whose padded length stays within
-    DECODE_GROUP_MAX_KEYS."""
-    groups: list[list[int]] = []
-    for i in reqs:
-        if (not groups or seq_lens[i] < DECODE_GROUP_RATIO * seq_lens[groups[-1][0]]
-                or (len(groups[-1]) + 1) * seq_lens[groups[-1][0]] > DECODE_GROUP_MAX_KEYS):
-            groups.append([])
-        groups[-1].append(i)
-    return groups
+
+@dataclass(kw_only=True)
+class BatchedDecodeMetadata(AttentionMetadata):
+    """The step split as both production backends run it: every request with exactly one new token
+    (a decode step, or a one-token prompt or chunk) in one batch, read through
+    `decode_block_tables`; requests with more new tokens (fresh prompts, prompts whose first blocks
+    came from the prefix cache, prefill chunks) one at a time."""
+
+    decode_token_indices: Tensor  # [num_decodes] batch index of each one-token request's token
+    decode_block_tables: Tensor   # [num_decodes, longest decode's blocks] their block tables
+    decode_seq_lens: Tensor       # [num_decodes] their context lengths
+    num_decodes: int
+    prefill_req_indices: list[int]  # requests with more than one new token
+
+    @classmethod
+    def backend_fields(cls, step: HostStep, device: torch.device | str) -> dict[str, Any]:
+        decodes = [i for i, n in enumerate(step.num_new_tokens) if n == 1]
+        width = max((step.blocks_needed[i] for i in decodes), default=0)
+        return super().backend_fields(step, device) | dict(
+            decode_token_indices=torch.tensor([step.query_start_loc[i] for i in decodes], dtype=torch.int64,
+                                              device=device),
+            decode_block_tables=step.tables[decodes, :width].to(device),
+            decode_seq_lens=torch.tensor([step.seq_lens[i] for i in decodes], dtype=torch.int64, device=device),
+            num_decodes=len(decodes),
+            prefill_req_indices=[i for i, n in enumerate(step.num_new_tokens) if n > 1],
+        )

@@ -1,60 +1,25 @@
-"""Paged attention in plain PyTorch: the reference every faster backend is tested against.
+"""The oracle: paged attention written the plain way, to test every backend against.
 
-K/V live in per-layer tensors [num_blocks, block_size, num_kv_heads, head_dim]; a request's
-context is read through its block table, so where its blocks sit in the pool never changes the
-result. An fp8 cache holds K/V divided by its layer's scales (`kv_quant`); reads multiply back.
+It shares no code with the backends (the test suite checks its imports): it takes the step from
+`AttentionMetadata`'s block tables and lengths, and fp8 rounding from `kv_quant`, and does
+everything else itself, one request at a time and by explicit indexing:
+- a request's new token at context position t goes to block block_table[t // block_size], offset
+  t % block_size (the slot mapping the backends use is not read);
+- its context is read back block by block through its block table, as the step's dtype (an fp8
+  cache times its layer's scale);
+- attention is transformers' eager attention: scores scaled after q @ k^T, keys a query may not
+  see (later positions, outside the sliding window) at -inf, softmax in float32, then @ V.
+Slow, runs wherever torch does, and equal bit for bit to the torch backend's prefill arithmetic.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedserve.attention.kv_quant import as_bytes, dequantize, is_fp8, quantize
+from pagedserve.attention.kv_quant import dequantize, is_fp8, quantize
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kv.sizes import cdiv, kv_bytes_per_token
-
-
-class KVCache(NamedTuple):
-    """One layer's cache."""
-
-    k: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v: Tensor
-    scales: Tensor  # [2] float32: K's and V's scale, read only by an fp8 cache
-
-
-def allocate_kv_cache(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-) -> list[KVCache]:
-    """One KVCache per layer, K and V each [num_blocks, block_size, num_kv_heads, head_dim] of
-    `dtype` (the cache's element type: the model's, or kv_quant.FP8_DTYPE), scales 1.0.
-
-    Zero-filled: a slot nobody wrote is masked out, but 0 * NaN would still leak garbage into the
-    probability-weighted sum of V.
-    """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                torch.ones(2, dtype=torch.float32, device=device))
-        for _ in range(num_layers)
-    ]
-
-
-def num_blocks_for_bytes(
-    budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """How many blocks allocate_kv_cache can make within budget_bytes (K and V, all layers)."""
-    per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype.itemsize)
-    return budget_bytes // per_block
 
 
 def paged_attention(
@@ -70,80 +35,67 @@ def paged_attention(
 ) -> Tensor:
     """Store this step's K/V in their slots, then attend for every request over its whole context.
 
-    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim]. A token at context position p sees positions
-    p - sliding_window < j <= p (all j <= p without a window). kv_scales: the layer's
-    KVCache.scales, used by an fp8 cache (default 1.0).
+    p - sliding_window < j <= p (all j <= p without a window). kv_scales: the layer's K and V
+    scales, read by an fp8 cache (default 1.0).
     """
-    kv_scales = unit_scales(kv_scales, q.device)
-    store_kv(k_cache, v_cache, k, v, md.slot_mapping, kv_scales)
+    k_scale, v_scale = (1.0, 1.0) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    tables = md.block_tables.tolist()
+    qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
+    # Request i's new tokens are rows qsl[i]:qsl[i+1] of the batch, the last of its seq_lens[i]
+    # context positions. Every write comes first: they are part of the request's own context.
+    for i, table in enumerate(tables):
+        first_pos = seq_lens[i] - (qsl[i + 1] - qsl[i])
+        for row in range(qsl[i], qsl[i + 1]):
+            _write(k_cache, table, first_pos + row - qsl[i], k[row], k_scale)
+            _write(v_cache, table, first_pos + row - qsl[i], v[row], v_scale)
     out = torch.empty_like(q)
-
-    if md.num_decodes:
-        # Hot path: one gather for all single-token requests, padded to the longest of them.
-        tables = md.decode_block_tables
-        keys = gather_blocks(k_cache, tables, q.dtype, kv_scales[0]).flatten(1, 2)  # [decodes, keys, kv_heads, dim]
-        values = gather_blocks(v_cache, tables, q.dtype, kv_scales[1]).flatten(1, 2)
-        query_pos = (md.decode_seq_lens - 1)[:, None, None]  # [decodes, 1 query, 1]
-        mask = visible(query_pos, keys.shape[1], sliding_window)
-        dq = q.index_select(0, md.decode_token_indices).unsqueeze(1)
-        out.index_copy_(0, md.decode_token_indices, attend(dq, keys, values, mask, scale).squeeze(1))
-
-    qsl, block_size = md.query_start_loc_cpu, md.block_size
-    for i in md.prefill_req_indices:
-        start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
-        table = md.block_tables[i, : cdiv(seq_len, block_size)]
-        keys = gather_blocks(k_cache, table, q.dtype, kv_scales[0]).flatten(0, 1)[:seq_len]
-        values = gather_blocks(v_cache, table, q.dtype, kv_scales[1]).flatten(0, 1)[:seq_len]
-        query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device).unsqueeze(1)
-        mask = visible(query_pos, seq_len, sliding_window)
-        out[start:end] = attend(q[None, start:end], keys[None], values[None], mask[None], scale)[0]
+    for i, table in enumerate(tables):
+        keys = _read_context(k_cache, table, seq_lens[i], q.dtype, k_scale)
+        values = _read_context(v_cache, table, seq_lens[i], q.dtype, v_scale)
+        first_pos = seq_lens[i] - (qsl[i + 1] - qsl[i])
+        out[qsl[i]:qsl[i + 1]] = _attend(q[qsl[i]:qsl[i + 1]], keys, values, first_pos, scale, sliding_window)
     return out
 
 
-def unit_scales(kv_scales: Tensor | None, device: torch.device) -> Tensor:
-    return kv_scales if kv_scales is not None else torch.ones(2, dtype=torch.float32, device=device)
+def _write(cache: Tensor, table: list[int], pos: int, x: Tensor, scale: Tensor | float) -> None:
+    """Put the K or V row x [kv_heads, dim] of context position pos in its block's slot."""
+    block_size = cache.shape[1]
+    cache[table[pos // block_size], pos % block_size] = quantize(x, scale) if is_fp8(cache) else x
 
 
-def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor, kv_scales: Tensor) -> None:
-    """Write each new token's K/V row into its slot (an fp8 cache: divided by the scale)."""
-    for cache, x, scale in ((k_cache, k, kv_scales[0]), (v_cache, v, kv_scales[1])):
-        if is_fp8(cache):
-            x = quantize(x, scale)
-        as_bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, as_bytes(x))
+def _read_context(cache: Tensor, table: list[int], seq_len: int, dtype: torch.dtype, scale: Tensor | float) -> Tensor:
+    """The first seq_len positions of a request's context, [seq_len, kv_heads, dim] as `dtype`."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = [dequantize(cache[b], dtype, scale) for b in table[:num_blocks]]
+    return torch.cat(blocks)[:seq_len]
 
 
-def gather_blocks(cache: Tensor, block_ids: Tensor, dtype: torch.dtype, scale: Tensor) -> Tensor:
-    """cache[block_ids] (any shape of ids) as `dtype` (an fp8 cache: times the scale)."""
-    rows = as_bytes(cache).index_select(0, block_ids.flatten())
-    return dequantize(rows.view(cache.dtype).view(*block_ids.shape, *cache.shape[1:]), dtype, scale)
+def _attend(q: Tensor, keys: Tensor, values: Tensor, first_pos: int, scale: float, window: int | None) -> Tensor:
+    """One request's attention: q [n, heads, dim] at context positions first_pos .. first_pos+n-1
+    over keys, values [seq_len, kv_heads, dim]. Returns [n, heads, dim].
 
-
-def visible(query_pos: Tensor, num_keys: int, sliding_window: int | None) -> Tensor:
-    """[..., num_queries, num_keys] bool: which key positions each query position may see."""
-    key_pos = torch.arange(num_keys, device=query_pos.device)
-    mask = key_pos <= query_pos  # causal; also hides padding past each request's end
-    if sliding_window is not None:
-        mask &= key_pos > query_pos - sliding_window
-    return mask
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Softmax attention with grouped KV heads, in transformers' eager order of operations
-    (scale after q @ k^T, softmax in float32).
-
-    q: [batch, queries, heads, dim]; k, v: [batch, keys, kv_heads, dim]; mask: [batch, queries, keys].
-    Query head h reads KV head h // group. The group's heads are folded into the query rows, so
-    one matmul per KV head serves them all without copying K and V for each query head.
+    Query head h reads KV head h // group, as transformers' repeat_kv arranges it. The group's
+    query heads are stacked as the KV head's rows, [kv_heads, group * n, dim], rather than K and V
+    repeated per query head: the same products in the same order as the torch backend's, so its
+    results for prompts are bit for bit these.
     """
-    batch, num_q, num_heads, dim = q.shape
-    num_kv_heads = k.shape[2]
+    n, num_heads, dim = q.shape
+    seq_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
-    q = q.view(batch, num_q, num_kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, -1, dim)
-    k = k.permute(0, 2, 1, 3)  # [batch, kv_heads, keys, dim]
-    v = v.permute(0, 2, 1, 3)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, kv_heads, group * queries, keys]
-    scores = scores.view(batch, num_kv_heads, group, num_q, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    q_rows = q.reshape(n, num_kv_heads, group, dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, dim)
+    scores = torch.matmul(q_rows, keys.permute(1, 2, 0)) * scale  # [kv_heads, group * n, seq_len]
+
+    query_pos = torch.arange(first_pos, first_pos + n, device=q.device)[:, None]
+    key_pos = torch.arange(seq_len, device=q.device)[None, :]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    scores = scores.view(num_kv_heads, group, n, seq_len).masked_fill(~allowed, float("-inf"))
+
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs.flatten(2, 3), v)  # [batch, kv_heads, group * queries, dim]
-    return out.view(batch, num_kv_heads, group, num_q, dim).permute(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, dim)
+    out = torch.matmul(probs.view(num_kv_heads, group * n, seq_len), values.transpose(0, 1))
+    return out.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)

@@ -1,6 +1,8 @@
 """Paged attention in Triton: the GPU backend (`attention_backend="triton"`).
 
-Same contract as `torch_ref.paged_attention` (the oracle it is tested against). Its kernels,
+Same contract as `torch_ref.paged_attention` (the oracle it is tested against). Its metadata
+(`TritonMetadata`) splits the step into one-token requests and the others
+(`BatchedDecodeMetadata`), with the others' ids on the device for `_prefill`. Its kernels,
 all reading and writing the engine's cache layout [num_blocks, block_size, num_kv_heads, head_dim]
 through the block tables, never through a gathered copy:
 - `_write_kv`: this step's K/V rows into their slots (slot < 0 marks a padded token: skipped);
@@ -26,15 +28,16 @@ decoding"), then merges the parts (`_combine`).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.attention.kv_cache import unit_scales
 from pagedserve.attention.kv_quant import FP8_MAX, is_fp8
-from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import unit_scales
+from pagedserve.attention.metadata import BatchedDecodeMetadata, HostStep
 
 BLOCK_M = 16  # new tokens per prefill program
 # Decode splits a request's context into parts of PARTITION_TOKENS when fewer than
@@ -248,6 +251,20 @@ def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables,
     tl.store(Out + q_offs, out.to(Out.dtype.element_ty), mask=q_mask)
 
 
+@dataclass(kw_only=True)
+class TritonMetadata(BatchedDecodeMetadata):
+    """The split step, plus the multi-token requests' ids as a device tensor, which `_prefill`
+    reads (made once per step, not once per layer)."""
+
+    prefill_req_ids: Tensor  # [len(prefill_req_indices)] int64
+
+    @classmethod
+    def backend_fields(cls, step: HostStep, device: torch.device | str) -> dict:
+        fields = super().backend_fields(step, device)
+        return fields | dict(prefill_req_ids=torch.tensor(fields["prefill_req_indices"], dtype=torch.int64,
+                                                          device=device))
+
+
 def products_in_float32(q: Tensor) -> bool:
     """The kernels' F32: products in float32 for float32 models, and for bfloat16 under the
     interpreter (CPU tensors), whose bfloat16 tl.dot is wrong (Triton 3.9: a 16x16 product off by 2e10)."""
@@ -260,7 +277,7 @@ def paged_attention(
     v: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    md: AttentionMetadata,
+    md: TritonMetadata,
     scale: float,
     sliding_window: int | None = None,
     kv_scales: Tensor | None = None,
@@ -303,10 +320,40 @@ def paged_attention(
             _combine[(n, num_heads)](out, *partials, md.decode_token_indices, NUM_HEADS=num_heads, NUM_PARTS=parts,
                                      PARTS_PAD=triton.next_power_of_2(parts), HEAD_DIM=head_dim, HEAD_PAD=head_pad)
     if md.prefill_req_indices:
-        reqs = torch.tensor(md.prefill_req_indices, dtype=torch.int64, device=q.device)
         _prefill[(len(md.prefill_req_indices), num_heads, triton.cdiv(md.max_query_len, BLOCK_M))](
-            q, k_cache, v_cache, out, reqs, md.query_start_loc, tables, md.seq_lens, tables.stride(0), scale,
-            window, kv_scales, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            q, k_cache, v_cache, out, md.prefill_req_ids, md.query_start_loc, tables, md.seq_lens, tables.stride(0),
+            scale, window, kv_scales, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=use_dot, FP8=fp8, F32=f32,
         )
     return out
+
+
+class TritonBackend:
+    """attention_backend="triton": `TritonMetadata` each step, `paged_attention` in every layer."""
+
+    name = "triton"
+    forward = staticmethod(paged_attention)
+
+    def build_metadata(self, block_tables: list[list[int]] | Tensor, num_computed_tokens: list[int],
+                       num_new_tokens: list[int], block_size: int,
+                       device: torch.device | str = "cpu") -> TritonMetadata:
+        return TritonMetadata.build(block_tables, num_computed_tokens, num_new_tokens, block_size, device, backend=self)
+
+    def static_decode_metadata(self, slot_mapping: Tensor, positions: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                               block_size: int) -> TritonMetadata:
+        """Metadata over the given tensors for a step of len(seq_lens) one-token requests: a CUDA
+        graph's static buffers, refilled before each replay. The kernels read the step's lengths
+        and tables from those tensors only, never from the host-side values, which are therefore
+        upper bounds (whole tables) that hold for every replay."""
+        size = seq_lens.shape[0]
+        device = seq_lens.device
+        tokens = torch.arange(size, device=device)
+        full_len = block_tables.shape[1] * block_size
+        return TritonMetadata(
+            slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
+            query_start_loc=torch.arange(size + 1, device=device), positions=positions, logits_indices=tokens,
+            block_size=block_size, seq_lens_cpu=[full_len] * size, query_start_loc_cpu=list(range(size + 1)),
+            max_query_len=1, max_seq_len=full_len, backend=self,
+            decode_token_indices=tokens, decode_block_tables=block_tables, decode_seq_lens=seq_lens, num_decodes=size,
+            prefill_req_indices=[], prefill_req_ids=torch.empty(0, dtype=torch.int64, device=device),
+        )

@@ -11,8 +11,9 @@ with a single call. A graph replays fixed shapes and fixed addresses, so:
 - only the forward is captured (embedding to final norm); the LM head and sampling run eagerly
   on the n real rows;
 - the attention backend must not read the step's host-side values (the SDPA path groups decodes
-  by length on the host), so graphs are used with the Triton backend only. Each layer's fp8
-  scales are device tensors read at replay, so calibrating them after capture is seen.
+  by length on the host), so graphs are used with the Triton backend only, whose metadata over
+  the static buffers (`TritonBackend.static_decode_metadata`) serves every replay. Each layer's
+  fp8 scales are device tensors read at replay, so calibrating them after capture is seen.
 
 The same class with capture=False runs the padded forward eagerly: tests check on the CPU (Triton
 interpreter) that padding changes no real row's result.
@@ -20,11 +21,16 @@ interpreter) that padding changes no real row's result.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
+from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import KVCache
+
+if TYPE_CHECKING:
+    from pagedserve.attention.triton_paged import TritonBackend
 
 CAPTURE_SIZES = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
 
@@ -37,7 +43,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], sizes: list[int], max_blocks: int,
-                 block_size: int, backend: str, device: torch.device, capture: bool = True) -> None:
+                 block_size: int, backend: TritonBackend, device: torch.device, capture: bool = True) -> None:
         self.model, self.kv_caches, self.block_size, self.backend = model, kv_caches, block_size, backend
         self.sizes = sorted(sizes)
         largest = self.sizes[-1]
@@ -60,22 +66,13 @@ class DecodeGraphs:
 
     def can_run(self, md: AttentionMetadata) -> bool:
         """Whether this step is decodes only, few enough, with tables that fit the buffers."""
-        return (md.num_decodes == md.num_reqs <= self.max_batch
+        return (md.max_query_len == 1 and md.num_reqs <= self.max_batch
                 and md.block_tables.shape[1] <= self.block_tables.shape[1])
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Metadata whose tensors are views of the static buffers: size one-token requests."""
-        tokens = torch.arange(size, device=self.input_ids.device)
-        tables, seq_lens = self.block_tables[:size], self.seq_lens[:size]
-        full_len = tables.shape[1] * self.block_size  # host-side values: upper bounds, unread by the Triton path
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], block_tables=tables, seq_lens=seq_lens,
-            query_start_loc=torch.arange(size + 1, device=tokens.device), positions=self.positions[:size],
-            logits_indices=tokens, decode_token_indices=tokens, decode_block_tables=tables,
-            decode_seq_lens=seq_lens, block_size=self.block_size, seq_lens_cpu=[full_len] * size,
-            query_start_loc_cpu=list(range(size + 1)), max_query_len=1, max_seq_len=full_len, num_decodes=size,
-            prefill_req_indices=[], backend=self.backend,
-        )
+        return self.backend.static_decode_metadata(self.slot_mapping[:size], self.positions[:size],
+                                                   self.block_tables[:size], self.seq_lens[:size], self.block_size)
 
     def _forward(self, size: int) -> Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._metadata(size))

@@ -10,9 +10,9 @@ import gc
 
 import torch
 
-from pagedserve.attention.kv_quant import as_bytes
+from pagedserve.attention import get_backend
+from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache, copy_blocks
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import KVCache, allocate_kv_cache
 from pagedserve.config import EngineConfig
 from pagedserve.engine.block_table_rows import BlockTableRows
 from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -46,6 +46,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         self.kv_caches: list[KVCache] = []
+        # Chosen once; it builds each step's metadata, and the model's attention layers run it.
+        self.attention_backend = get_backend(config.attention_backend)
         self.block_table_rows = BlockTableRows(self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
         # calculate_kv_scales (EngineConfig allows it with fp8 only): the first real step sets every layer's scales.
@@ -98,12 +100,10 @@ class ModelRunner:
                 return
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs), cdiv(max_model_len, self.block_size),
-            self.block_size, self.config.attention_backend, self.device, capture=capture)
+            self.block_size, self.attention_backend, self.device, capture=capture)
 
     def _metadata(self, block_tables, computed, num_new) -> AttentionMetadata:
-        md = AttentionMetadata.build(block_tables, computed, num_new, self.block_size, self.device)
-        md.backend = self.config.attention_backend
-        return md
+        return self.attention_backend.build_metadata(block_tables, computed, num_new, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
@@ -132,11 +132,4 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy-on-write: give each destination block its source's K/V, in every layer."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
-            for blocks in (cache.k, cache.v):
-                blocks = as_bytes(blocks)
-                blocks[dst] = blocks[src]
+        copy_blocks(self.kv_caches, copies)

@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from pagedserve.attention import paged_attention
+from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.kv_quant import calibrated_scale
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import KVCache
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.layers import GatedMLP, Linear, OneDNNWeight, RMSNorm, RotaryEmbedding, apply_rotary, linear
 
@@ -42,7 +41,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if md.calculate_kv_scales:
             kv_cache.scales.copy_(torch.stack([calibrated_scale(k), calibrated_scale(v)]))
-        out = paged_attention(q, k, v, kv_cache.k, kv_cache.v, md, self.scale, self.sliding_window, kv_cache.scales)
+        # The engine's backend, which built md (a per-engine choice: engines may share this model).
+        out = md.backend.forward(q, k, v, kv_cache.k, kv_cache.v, md, self.scale, self.sliding_window, kv_cache.scales)
         return self.o_proj(out.flatten(1))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.attention import cpu_kernel, torch_ref
 from pagedserve.attention.kv_quant import FP8_DTYPE, dequantize, quantize
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.metadata import BatchedDecodeMetadata
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def decode_case(seq_lens, block_size, kv_heads, heads, dim, seed=0):
     tables = [perm[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(seq_lens))]
     shape = (len(perm), block_size, kv_heads, dim)
     k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    md = AttentionMetadata.build(tables, [s - 1 for s in seq_lens], [1] * len(seq_lens), block_size)
+    md = BatchedDecodeMetadata.build(tables, [s - 1 for s in seq_lens], [1] * len(seq_lens), block_size)
     q = torch.randn(len(seq_lens), heads, dim, generator=gen)
     return q, k_cache, v_cache, md
 

@@ -44,9 +44,9 @@ def test_calibrated_scale_leaves_headroom():
     assert kv_quant.calibrated_scale(torch.zeros(3)).item() > 0  # never divides by zero
 
 
-def fp8_step(scales: torch.Tensor, seed: int = 0):
-    """The mixed step of test_triton_paged with its caches quantized to fp8."""
-    q, k, v, k_cache, v_cache, md = mixed_step(16, 2, 3, 64, seed=seed)
+def fp8_step(scales: torch.Tensor, seed: int = 0, backend: str = "torch"):
+    """The mixed step of test_triton_paged with its caches quantized to fp8 (metadata for `backend`)."""
+    q, k, v, k_cache, v_cache, md = mixed_step(16, 2, 3, 64, seed=seed, backend=backend)
     return q, k, v, quantize(k_cache, scales[0]), quantize(v_cache, scales[1]), md
 
 
@@ -72,10 +72,10 @@ def test_backends_read_and_write_fp8_as_the_oracle(path, monkeypatch):
     if path == "triton-split":  # decodes split over parts of 16 tokens, then merged
         monkeypatch.setattr(triton_paged, "PARTITION_TOKENS", 16)
         monkeypatch.setattr(triton_paged, "SPLIT_BELOW_PROGRAMS", 1000)
-    q, k, v, k8, v8, md = fp8_step(SCALES, seed=1)
+    module = triton_paged if path.startswith("triton") else sdpa
+    q, k, v, k8, v8, md = fp8_step(SCALES, seed=1, backend="triton" if module is triton_paged else "torch")
     ref_k, ref_v = k8.clone(), v8.clone()
     expected = torch_ref.paged_attention(q, k, v, ref_k, ref_v, md, 0.125, 6, SCALES)
-    module = triton_paged if path.startswith("triton") else sdpa
     out = module.paged_attention(q, k, v, k8, v8, md, 0.125, 6, SCALES)
     assert torch.equal(k8.view(torch.uint8), ref_k.view(torch.uint8))  # same rounding as torch's cast
     assert torch.equal(v8.view(torch.uint8), ref_v.view(torch.uint8))

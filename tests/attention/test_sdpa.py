@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.attention import cpu_kernel, metadata, sdpa, torch_ref
+from pagedserve.attention import cpu_kernel, kv_cache, sdpa, torch_ref
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -24,7 +24,7 @@ def steps(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     kv_heads, group = draw(st.sampled_from([(1, 4), (2, 2), (4, 1), (2, 3), (3, 3)]))
     windows = draw(st.lists(st.sampled_from([None, 1, 5, 17]), min_size=1, max_size=2))
-    max_keys = draw(st.sampled_from([16, 64, metadata.DECODE_GROUP_MAX_KEYS]))
+    max_keys = draw(st.sampled_from([16, 64, sdpa.DECODE_GROUP_MAX_KEYS]))
     seed = draw(st.integers(0, 2**16))
     return [reqs[i] for i in order], block_size, kv_heads, group, windows, max_keys, seed
 
@@ -39,7 +39,7 @@ def random_step(reqs, block_size, kv_heads, heads, dim, gen):
     for n in needed:
         tables.append(perm[used:used + n])
         used += n
-    [(k_cache, v_cache, _)] = torch_ref.allocate_kv_cache(1, num_blocks, block_size, kv_heads, dim, torch.float32)
+    [(k_cache, v_cache, _)] = kv_cache.allocate_kv_cache(1, num_blocks, block_size, kv_heads, dim, torch.float32)
     for table, (computed, _) in zip(tables, reqs):
         for t in range(computed):
             k_cache[table[t // block_size], t % block_size] = torch.randn(kv_heads, dim, generator=gen)
@@ -59,8 +59,8 @@ def test_sdpa_matches_the_oracle(decode_path, step):
     gen = torch.Generator().manual_seed(seed)
     tables, k_cache, v_cache, q, k, v = random_step(reqs, block_size, kv_heads, kv_heads * group, 16, gen)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(metadata, "DECODE_GROUP_MAX_KEYS", max_keys)
-        md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
+        mp.setattr(sdpa, "DECODE_GROUP_MAX_KEYS", max_keys)
+        md = sdpa.SdpaBackend().build_metadata(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
         if decode_path == "sdpa":
             mp.setattr(cpu_kernel, "load", lambda: None)
         else:
@@ -91,12 +91,12 @@ def test_decode_groups_by_hand(monkeypatch):
     seq_lens = [40, 6, 33, 3, 30, 1]
     new = [1, 1, 1, 3, 1, 1]
     tables = [list(range(10 * i, 10 * i + -(-s // 4))) for i, s in enumerate(seq_lens)]
-    md = AttentionMetadata.build(tables, [s - n for s, n in zip(seq_lens, new)], new, block_size=4)
+    md = sdpa.SdpaBackend().build_metadata(tables, [s - n for s, n in zip(seq_lens, new)], new, block_size=4)
     # Longest first; a group ends where a context drops below 0.8 x the group's longest.
     groups = [(g.token_indices.tolist(), g.seq_lens.tolist(), g.num_blocks) for g in md.decode_groups]
     assert groups == [([0, 2], [40, 33], 10), ([6], [30], 8), ([1], [6], 2), ([7], [1], 1)]
     assert md.decode_groups[0].block_ids.tolist() == tables[0] + tables[2] + [0]  # padded with block 0
     # The cap on keys per group splits long runs of similar lengths.
-    monkeypatch.setattr(metadata, "DECODE_GROUP_MAX_KEYS", 70)
-    md = AttentionMetadata.build(tables, [s - n for s, n in zip(seq_lens, new)], new, block_size=4)
+    monkeypatch.setattr(sdpa, "DECODE_GROUP_MAX_KEYS", 70)
+    md = sdpa.SdpaBackend().build_metadata(tables, [s - n for s, n in zip(seq_lens, new)], new, block_size=4)
     assert [g.token_indices.tolist() for g in md.decode_groups] == [[0], [2, 6], [1], [7]]

@@ -1,14 +1,26 @@
-"""Paged attention against dense attention: paging changes where K/V live, never the result."""
+"""The oracle (attention/torch_ref.py): paged attention against dense attention (paging changes
+where K/V live, never the result), and it shares no code with the backends it checks."""
 
 from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import allocate_kv_cache, num_blocks_for_bytes, paged_attention
+from pagedserve.attention.kv_cache import allocate_kv_cache
+from pagedserve.attention.metadata import AttentionMetadata, BatchedDecodeMetadata
+from pagedserve.attention import torch_ref
+from pagedserve.attention.torch_ref import paged_attention
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def dense_attention(q, k, v, context_len: int, scale: float, window: int | None) -> torch.Tensor:
@@ -83,7 +95,7 @@ def test_paged_matches_dense(batch):
 
 def test_metadata_by_hand():
     # Request 0 decodes its 6th token; request 1 prefills 3 tokens; request 2 is a 1-token prompt.
-    md = AttentionMetadata.build([[3, 7, 9], [5], [2]], [5, 0, 0], [1, 3, 1], block_size=4)
+    md = BatchedDecodeMetadata.build([[3, 7, 9], [5], [2]], [5, 0, 0], [1, 3, 1], block_size=4)
     assert md.slot_mapping.tolist() == [7 * 4 + 1, 20, 21, 22, 8]
     assert md.positions.tolist() == [5, 0, 1, 2, 0]
     assert md.block_tables.tolist() == [[3, 7], [5, 0], [2, 0]]  # trimmed to need, padded with 0
@@ -111,15 +123,41 @@ def test_metadata_rejects_inconsistent_steps(tables, computed, new, match):
         AttentionMetadata.build(tables, computed, new, block_size=4)
 
 
-def test_allocate_and_budget():
-    caches = allocate_kv_cache(3, 10, 16, 2, 8, torch.float32, "cpu")
-    assert len(caches) == 3
-    for k, v, scales in caches:
-        assert k.shape == v.shape == (10, 16, 2, 8) and k.data_ptr() != v.data_ptr()
-        assert not k.any() and not v.any()
-        assert scales.tolist() == [1.0, 1.0]
-    per_block = 2 * 3 * 16 * 2 * 8 * 4
-    assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.float32) == 10
-    assert num_blocks_for_bytes(10 * per_block - 1, 3, 16, 2, 8, torch.float32) == 9
-    assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.bfloat16) == 20
-    assert num_blocks_for_bytes(10 * per_block, 3, 16, 2, 8, torch.float8_e4m3fn) == 40
+# What the oracle may import from pagedserve: fp8 rounding and the step's inputs, nothing that computes attention.
+ORACLE_MAY_IMPORT = {"pagedserve.attention.kv_quant", "pagedserve.attention.metadata"}
+
+
+def imported_modules(source: str) -> set[str]:
+    """Every module an `import` or `from ... import` in source names, the names imported from a
+    package counted as its submodules (`from pagedserve.attention import sdpa` -> ...attention.sdpa)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_oracle_imports_no_backend_code():
+    imported = imported_modules(inspect.getsource(torch_ref))
+    ours = {m for m in imported if m.startswith(("pagedserve", "."))}
+    # `from pagedserve.attention.kv_quant import quantize` names ...kv_quant.quantize too: not a module.
+    stray = {m for m in ours if not any(m == ok or m.startswith(ok + ".") for ok in ORACLE_MAY_IMPORT)}
+    assert not stray, f"torch_ref must not use production attention code: {sorted(stray)}"
+    assert {"pagedserve.attention.kv_quant", "pagedserve.attention.metadata"} <= imported  # the check sees imports
+    assert imported_modules("from pagedserve.attention import sdpa\nimport pagedserve.attention.kv_cache") >= {
+        "pagedserve.attention.sdpa", "pagedserve.attention.kv_cache"}
+
+
+def test_importing_the_oracle_loads_no_backend():
+    """At run time too: importing torch_ref (and the package it sits in) loads no backend module."""
+    code = ("import sys, pagedserve.attention.torch_ref; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('pagedserve.attention'))))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = set(result.stdout.split())
+    assert "pagedserve.attention.torch_ref" in loaded
+    assert loaded <= {"pagedserve.attention", "pagedserve.attention.torch_ref"} | ORACLE_MAY_IMPORT, loaded

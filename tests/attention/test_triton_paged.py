@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.attention import torch_ref, triton_paged
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention import get_backend, torch_ref, triton_paged
 from pagedserve.config import EngineConfig
 
 
-def mixed_step(block_size, kv_heads, group, dim, dtype=torch.float32, seed=0):
+def mixed_step(block_size, kv_heads, group, dim, dtype=torch.float32, seed=0, backend="triton"):
     """Decodes at contexts 1, 2 blocks, 2 blocks + 3; a fresh 5-token prompt; a 7-token chunk
     behind 2 cached blocks (a prefix-cache hit)."""
     reqs = [(0, 1), (2 * block_size - 1, 1), (2 * block_size + 2, 1), (0, 5), (2 * block_size, 7)]
@@ -28,7 +27,7 @@ def mixed_step(block_size, kv_heads, group, dim, dtype=torch.float32, seed=0):
     q = torch.randn(num_tokens, kv_heads * group, dim, generator=gen).to(dtype)
     k = torch.randn(num_tokens, kv_heads, dim, generator=gen).to(dtype)
     v = torch.randn(num_tokens, kv_heads, dim, generator=gen).to(dtype)
-    md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
+    md = get_backend(backend).build_metadata(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
     return q, k, v, k_cache, v_cache, md
 
 
@@ -92,7 +91,7 @@ def test_split_decode_matches_the_oracle(monkeypatch, window, max_parts):
     combine = triton_paged._combine
     monkeypatch.setattr(triton_paged, "_combine", CountingCombine())
     q, k, v, k_cache, v_cache, md = mixed_step(16, 2, 3, 64)
-    longer = AttentionMetadata.build([list(range(40))[:8], list(range(40))[8:10]], [120, 17], [1, 1], 16)
+    longer = get_backend("triton").build_metadata([list(range(40))[:8], list(range(40))[8:10]], [120, 17], [1, 1], 16)
     for metadata in (md, longer):
         qs, ks, vs = q[:metadata.num_tokens], k[:metadata.num_tokens], v[:metadata.num_tokens]
         ref_k, ref_v = k_cache.clone(), v_cache.clone()

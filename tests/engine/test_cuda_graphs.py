@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import KVCache, allocate_kv_cache
+from pagedserve.attention import get_backend
+from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache
 from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.models.loader import load_model
 
@@ -21,9 +21,7 @@ def test_capture_sizes_cover_max_num_seqs():
 
 
 def triton_md(tables, computed, new, block_size):
-    md = AttentionMetadata.build(tables, computed, new, block_size)
-    md.backend = "triton"
-    return md
+    return get_backend("triton").build_metadata(tables, computed, new, block_size)
 
 
 def test_padded_decode_changes_no_real_row(tiny_checkpoint):
@@ -48,8 +46,8 @@ def check_padded_decode(model, config):
     ref_caches = [KVCache(c.k.clone(), c.v.clone(), c.scales) for c in caches]
     expected = model(ids, decode.positions, ref_caches, decode)
 
-    graphs = DecodeGraphs(model, caches, [1, 2, 4, 8], max_blocks=6, block_size=block_size, backend="triton",
-                          device=torch.device("cpu"), capture=False)
+    graphs = DecodeGraphs(model, caches, [1, 2, 4, 8], max_blocks=6, block_size=block_size,
+                          backend=get_backend("triton"), device=torch.device("cpu"), capture=False)
     # Stale buffers, as a larger earlier step leaves them.
     graphs.block_tables.random_(0, 40, generator=gen)
     graphs.positions.fill_(7)
