@@ -14,8 +14,7 @@ engine's methods on the instance (`Timers`, monkeypatch-style; the engine's code
             logits rows: everything the runner does around the forward)
   forward   DryRunModel.forward + compute_logits: the no-op; should be ~0
   sample    SamplingBatch.build + Sampler (greedy argmax over [R, vocab] fixed logits)
-  output    EngineCore._commit (finish_step, append the token, stop checks on token ids) plus the
-            front's OutputProcessor.process (detokenize, stop strings, RequestOutput assembly)
+  commit    EngineCore._commit: finish_step, append the token, stop checks on token ids
   transport what the core in its own process adds: the step's sample outputs and the core's
             figures encoded as msgpack (msgspec), sent and received over a ZMQ ipc PUSH/PULL pair
             (both ends in this process: the kernel's socket path without a second scheduler
@@ -56,7 +55,7 @@ from pagedserve.kv.kv_cache_manager import cdiv
 from pagedserve.models.config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
 
-PARTS = ("schedule", "prepare", "forward", "sample", "output", "transport", "stats", "other")
+PARTS = ("schedule", "prepare", "forward", "sample", "commit", "transport", "output", "stats", "other")
 WARMUP_STEPS = 3
 DEFAULT_TOKEN = 260  # " the" in SmolLM2's vocabulary: a plain word, not EOS, not special
 
@@ -147,6 +146,7 @@ class OverheadRow:
     blocks_needed: int = 0
     parts_ms: dict[str, float] = field(default_factory=dict)  # medians per step
     total_ms: float | None = None  # median per step
+    core_ms: float | None = None  # median per step of total - output: the core's part when the front has its own process
     mean_total_ms: float | None = None
     skipped: str | None = None  # why the scenario was not run
     cached_pool: bool = False  # every free block held a cached prefix when the scenario began
@@ -275,7 +275,7 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
             t = timers.take()
             forward = t["forward"] + t["logits"]
             part = {"schedule": t["schedule"], "prepare": t["execute"] - forward, "forward": forward,
-                    "sample": t["sampler"] + t["sample_build"], "output": t["commit"] + t["front"],
+                    "sample": t["sampler"] + t["sample_build"], "commit": t["commit"], "output": t["front"],
                     "transport": loopback.take(), "stats": t.get("usage", 0.0) + t["core_stats"] + (end - stepped)}
             part["other"] = (end - start) - sum(part.values())
             samples.append((end - start, part))
@@ -296,6 +296,7 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
         raise RuntimeError(f"{kv.pool.num_used} blocks still used after every request ended")
     row.parts_ms = {p: statistics.median(s[p] for _, s in samples) * 1e3 for p in PARTS}
     row.total_ms = statistics.median(total for total, _ in samples) * 1e3
+    row.core_ms = statistics.median(total - part["output"] for total, part in samples) * 1e3
     row.mean_total_ms = statistics.fmean(total for total, _ in samples) * 1e3
     return row
 
@@ -383,18 +384,19 @@ def check_targets(rows: list[OverheadRow]) -> list[tuple[str, bool | None, str]]
 def format_table(rows: list[OverheadRow], threads: int | None = 1) -> str:
     steps = max((r.steps for r in rows), default=0)
     lines = [f"Host time per decode step, dry-run model (forward is a no-op), block size 16, torch threads: "
-             f"{threads or torch.get_num_threads()}; median of {steps} timed steps (mean total in the last column). "
+             f"{threads or torch.get_num_threads()}; median of {steps} timed steps (mean total in the last column; "
+             "core = total - output, the core's own time when the front runs in the API process). "
              "Pool \"fresh\": a new engine; \"cached\": every free block held a cached prefix first.", "",
              "| pool | pool blocks | requests | context | " + " | ".join(f"{p} ms" for p in PARTS)
-             + " | total ms | mean total ms |",
-             "|---|" + "---:|" * (5 + len(PARTS))]
+             + " | total ms | core ms | mean total ms |",
+             "|---|" + "---:|" * (6 + len(PARTS))]
     for r in rows:
         head = f"| {_state(r)} | {r.pool_blocks:,} | {r.requests} | {r.context:,} |"
         if r.skipped:
-            lines.append(head + f" n/a: {r.skipped}, more than the pool |" + " |" * (len(PARTS) + 1))
+            lines.append(head + f" n/a: {r.skipped}, more than the pool |" + " |" * (len(PARTS) + 2))
         else:
             lines.append(head + "".join(f" {r.parts_ms[p]:.3f} |" for p in PARTS)
-                         + f" **{r.total_ms:.3f}** | {r.mean_total_ms:.3f} |")
+                         + f" **{r.total_ms:.3f}** | {r.core_ms:.3f} | {r.mean_total_ms:.3f} |")
     lines += ["", "Targets (issue 14):"]
     for target, holds, figures in check_targets(rows):
         verdict = "n/a" if holds is None else "holds" if holds else "does NOT hold"
