@@ -156,10 +156,6 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._groups)
-
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[SampleOutput]:

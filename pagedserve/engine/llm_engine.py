@@ -93,9 +93,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.verify_for_engine(self.model_config.vocab_size, self.scheduler.max_num_seqs)
         text, token_ids = self.tokenize(prompt)
-        self.core.validate_prompt(token_ids)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival_time))
+        self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival_time))  # validates the prompt
         self.output_processor.add_request(request_id, prompt_text if prompt_text is not None else text,
                                           token_ids, params, arrival_time)
 
