@@ -1,4 +1,7 @@
-"""AsyncLLMEngine: an asyncio front over the synchronous LLMEngine, for the server.
+"""AsyncLLMEngine: an asyncio front over the synchronous LLMEngine, for `serve --engine-core thread`
+(the default, `AsyncLLM`, runs the core in its own process). Also the pieces both share: each
+request's `RequestStream`, the `RequestTracker` that routes outputs to streams and counts them,
+and `EngineError`.
 
 LLMEngine is not thread-safe, so one thread owns it. That thread sleeps while there is no work;
 otherwise it applies the adds and aborts queued since its last step, runs one step, and hands
