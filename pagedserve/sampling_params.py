@@ -59,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -113,6 +114,9 @@ class SamplingParams:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int64(self.logprobs) or self.logprobs < 0):
             fail("logprobs", "an int >= 0 or None")
+        if self.logit_bias is not None and not (isinstance(self.logit_bias, dict) and all(
+                _is_int64(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items())):
+            fail("logit_bias", "a dict of token ids (ints >= 0) to biases in [-100, 100], or None")
 
     def verify_for_engine(self, vocab_size: int, max_num_seqs: int) -> None:
         """The checks that need the engine: token ids and counts within the vocabulary, and no
@@ -128,6 +132,9 @@ class SamplingParams:
                                  f"stop_token_ids: {bad} is out of range for a vocabulary of {vocab_size}")
         if self.logprobs is not None and self.logprobs > vocab_size:
             fail("logprobs", f"<= the vocabulary size ({vocab_size})")
+        bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
+        if bad is not None:
+            raise ParameterError("logit_bias", f"logit_bias: token id {bad} is out of range for a vocabulary of {vocab_size}")
         if self.n > max_num_seqs:
             fail("n", f"<= max_num_seqs ({max_num_seqs})")
 

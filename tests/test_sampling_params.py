@@ -89,6 +89,8 @@ def test_replace_revalidates():
     ("top_k", 2**63), ("top_k", 10**30), ("seed", 2**63), ("seed", -(2**63) - 1), ("n", 2**63),
     ("max_tokens", 2**63), ("min_tokens", 2**63), ("logprobs", 2**63), ("stop_token_ids", [2**63]),
     ("temperature", 1e39), ("repetition_penalty", 1e39), ("repetition_penalty", 1e-40),
+    ("logit_bias", {2**63: 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: float("nan")}), ("logit_bias", {"5": 1.0}),
 ])
 def test_values_beyond_int64_or_float32_are_refused(name, value):
     kwargs = {name: value} | ({"max_tokens": None} if name == "min_tokens" else {})
@@ -107,14 +109,15 @@ def test_the_extremes_that_fit_are_accepted(kwargs):
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(top_k=101), "top_k"), (dict(logprobs=101), "logprobs"), (dict(stop_token_ids=[3, 100]), "stop_token_ids"),
-    (dict(n=9), "n"),
+    (dict(n=9), "n"), (dict(logit_bias={3: 1.0, 100: -5.0}), "logit_bias"),
 ])
 def test_engine_limits_are_checked_against_the_model(kwargs, param):
     params = SamplingParams(**kwargs)
     with pytest.raises(ParameterError, match=param) as e:
         params.verify_for_engine(vocab_size=100, max_num_seqs=8)
     assert e.value.param == param
-    SamplingParams(top_k=100, logprobs=100, stop_token_ids=[99], n=8).verify_for_engine(vocab_size=100, max_num_seqs=8)
+    SamplingParams(top_k=100, logprobs=100, stop_token_ids=[99], n=8,
+                   logit_bias={99: -100, 0: 100}).verify_for_engine(vocab_size=100, max_num_seqs=8)
 
 
 def test_every_validation_error_names_its_parameter():

@@ -1,7 +1,7 @@
 """Batched sampling: one call per engine step turns [num_rows, vocab] logits into token ids.
 
-Order (vLLM v1): raw logprobs are taken from the model's logits; then min_tokens masking and
-penalties, which also steer greedy rows; greedy rows take the argmax; sampled rows get
+Order (vLLM v1): raw logprobs are taken from the model's logits; then min_tokens masking,
+logit_bias and penalties, which also steer greedy rows; greedy rows take the argmax; sampled rows get
 temperature, min-p, top-k, top-p, then an exponential race (argmax of probs / Exp(1) noise,
 which picks token i with probability probs[i]). A row with its own generator draws its noise
 from it alone, so its tokens do not depend on the other rows of the batch.
@@ -49,6 +49,8 @@ class SamplingBatch:
     num_logprobs: list[int | None]
     seen: Tensor | None = None
     output_counts: Tensor | None = None
+    # (rows, tokens, biases) of every row's logit_bias, added to the logits in one op.
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
 
     @classmethod
     def build(
@@ -112,6 +114,19 @@ class SamplingBatch:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                 blocked_rows += [i] * len(stops)
                 blocked_tokens += sorted(stops)
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        biases: list[float] = []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                bias_rows += [i] * len(p.logit_bias)
+                bias_tokens += p.logit_bias.keys()
+                biases += p.logit_bias.values()
+        logit_bias = None
+        if bias_rows:
+            logit_bias = (torch.tensor(bias_rows, dtype=torch.long, device=device),
+                          torch.tensor(bias_tokens, dtype=torch.long, device=device), floats(biases))
+
         blocked = None
         if blocked_rows:
             blocked = (torch.tensor(blocked_rows, dtype=torch.long, device=device),
@@ -135,6 +150,7 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in params],
             seen=seen_mask,
             output_counts=output_counts,
+            logit_bias=logit_bias,
         )
 
 
@@ -214,6 +230,9 @@ class Sampler:
 
         if batch.blocked is not None:
             logits = logits.index_put(batch.blocked, torch.tensor(float("-inf"), device=logits.device))
+        if batch.logit_bias is not None:
+            rows, tokens, biases = batch.logit_bias
+            logits = logits.index_put((rows, tokens), biases, accumulate=True)
         logits = apply_penalties(logits, batch)
 
         if batch.all_greedy:

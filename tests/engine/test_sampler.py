@@ -304,3 +304,13 @@ def test_kept_token_counts_penalise_exactly_as_padding_every_step(data):
         kept = SamplingBatch.build(ps, prompts, outputs, [None] * len(keys), (EOS,), "cpu", counts, keys)
         fresh = build(ps, prompts=prompts, outputs=outputs)
         assert torch.equal(apply_penalties(logits, kept), apply_penalties(logits, fresh))
+
+
+def test_logit_bias_is_added_to_its_rows_only():
+    logits = torch.zeros(3, 6)
+    params = [SamplingParams(logit_bias={1: 2.5, 4: -100}), SamplingParams(), SamplingParams(logit_bias={0: 1})]
+    out = Sampler(seed=0)(logits, build([SamplingParams(temperature=0, logit_bias=p.logit_bias) for p in params]))
+    assert out.token_ids == [1, 0, 0]  # row 0 biased to token 1; row 1 untouched (ties: first); row 2 to 0
+    biased = build(params).logit_bias
+    assert sorted(zip(biased[0].tolist(), biased[1].tolist(), biased[2].tolist())) == [
+        (0, 1, 2.5), (0, 4, -100.0), (2, 0, 1.0)]

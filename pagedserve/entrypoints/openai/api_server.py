@@ -103,6 +103,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
 
+    @v1.get("/models/{model_id:path}", responses=_errors(*auth, 404, 503))
+    async def retrieve_model(model_id: str) -> ModelCard:
+        completions.check_model(model_id)  # 404 with OpenAI's model_not_found
+        return ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
+
     generation_errors = _errors(400, *auth, 404, 408, 413, 500, 503)
 
     @v1.post("/completions", responses=generation_errors)

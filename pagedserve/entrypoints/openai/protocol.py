@@ -1,7 +1,14 @@
 """Request and response bodies of the OpenAI API, as pydantic models.
 
 Requests validate strictly: a value of the wrong JSON type is an error, never coerced ("5" is
-not 5). Unknown fields are allowed and ignored, as OpenAI clients send fields we do not use.
+not 5). Every field is honoured or refused:
+- the fields declared here are honoured, including ones that change nothing in a single-model
+  server's output (`user`, `metadata`, `store`, `service_tier`);
+- fields of OpenAI's or vLLM's API that would change the output and that pagedserve does not
+  implement (`Unsupported` below: `suffix`, `tools`, `response_format`, `guided_json`, ...) are a
+  400 naming the field, unless they carry their neutral value (null, `{"type": "text"}`, ...);
+- a field no API defines is ignored with a warning in the log, as vLLM does (clients add their
+  own; refusing them breaks clients that work against OpenAI's servers).
 Ranges follow OpenAI's documentation; vLLM's extra sampling fields (top_k, min_p, ...) are
 accepted too. Every text field must be valid Unicode: JSON's "\ud800" escape carries a lone
 surrogate, which no tokenizer takes (see ValidUnicode).
@@ -9,20 +16,30 @@ surrogate, which no tokenizer takes (see ValidUnicode).
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import ParameterError, SamplingParams
 from pagedserve.text import check_unicode
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
+logger = logging.getLogger(__name__)
+
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _warn_unknown_fields(self) -> RequestModel:
+        if self.model_extra:
+            logger.warning("ignoring fields no API defines: %s", ", ".join(sorted(self.model_extra)))
+        return self
 
 
 class ResponseModel(BaseModel):
@@ -75,6 +92,19 @@ def _valid_unicode(value: Any, info: ValidationInfo) -> Any:
 ValidUnicode = AfterValidator(_valid_unicode)
 
 
+def Refused(*neutral: Any) -> AfterValidator:
+    """For a field pagedserve knows but does not implement: a 400 naming it, unless its value is
+    null or one of `neutral` (values that mean what the field's absence means)."""
+    def check(value: Any) -> Any:
+        if value is not None and value not in neutral:
+            alternatives = f", or set it to {' or '.join(json.dumps(v) for v in neutral)}" if neutral else ""
+            raise PydanticCustomError("unsupported_field",
+                                      f"not supported by this server (leave it out or null{alternatives})")
+        return value
+
+    return AfterValidator(check)
+
+
 class StreamOptions(RequestModel):
     include_usage: bool = False
 
@@ -102,6 +132,25 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> bias in [-100, 100]
+    # Accepted and without effect here: they label or route a request, never change its output.
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    # Known, not implemented: a 400 naming the field unless it is null (or neutral).
+    structured_outputs: Annotated[Any, Refused()] = None
+    guided_json: Annotated[Any, Refused()] = None
+    guided_regex: Annotated[Any, Refused()] = None
+    guided_choice: Annotated[Any, Refused()] = None
+    guided_grammar: Annotated[Any, Refused()] = None
+    guided_decoding_backend: Annotated[Any, Refused()] = None
+    prompt_logprobs: Annotated[Any, Refused()] = None
+    allowed_token_ids: Annotated[Any, Refused()] = None
+    bad_words: Annotated[Any, Refused()] = None
+    truncate_prompt_tokens: Annotated[Any, Refused()] = None
+    use_beam_search: Annotated[Any, Refused(False)] = None
+    length_penalty: Annotated[Any, Refused(1, 1.0)] = None
+    spaces_between_special_tokens: Annotated[Any, Refused(True)] = None
 
     @property
     def include_usage(self) -> bool:
@@ -114,7 +163,18 @@ class SamplingRequest(RequestModel):
                  "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                  "skip_special_tokens", "include_stop_str_in_output"]
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.logit_bias is not None:
+            given["logit_bias"] = _token_keyed(self.logit_bias)
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+
+
+def _token_keyed(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    try:
+        return {int(token): bias for token, bias in logit_bias.items()}
+    except ValueError:
+        bad = next(t for t in logit_bias if not t.strip().lstrip("-").isdigit())
+        raise ParameterError("logit_bias", f"logit_bias keys must be token ids, got {bad!r}") from None
 
 
 class CompletionRequest(SamplingRequest):
@@ -123,6 +183,17 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)  # null: 16 too
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
+    suffix: Annotated[Any, Refused("")] = None
+    best_of: int | None = Field(None, ge=1)  # honoured when it equals n (every sample is returned)
+    add_special_tokens: Annotated[Any, Refused(True)] = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of != (info.data.get("n") or 1):
+            raise PydanticCustomError("unsupported_field", "other than n, not supported by this server "
+                                      "(leave it out or null, or set it to n)")
+        return best_of
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):
@@ -153,6 +224,22 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[Any, Refused([])] = None
+    tool_choice: Annotated[Any, Refused("none", "auto")] = None  # without tools, both mean no tool
+    parallel_tool_calls: Annotated[Any, Refused(True, False)] = None
+    functions: Annotated[Any, Refused([])] = None
+    function_call: Annotated[Any, Refused("none", "auto")] = None
+    response_format: Annotated[Any, Refused({"type": "text"})] = None
+    modalities: Annotated[Any, Refused(["text"])] = None
+    audio: Annotated[Any, Refused()] = None
+    prediction: Annotated[Any, Refused()] = None
+    web_search_options: Annotated[Any, Refused()] = None
+    reasoning_effort: Annotated[Any, Refused()] = None
+    chat_template: Annotated[Any, Refused()] = None
+    chat_template_kwargs: Annotated[Any, Refused()] = None
+    documents: Annotated[Any, Refused()] = None
+    add_generation_prompt: Annotated[Any, Refused(True)] = None
+    continue_final_message: Annotated[Any, Refused(False)] = None
 
 
 # ---- responses -------------------------------------------------------------------------------

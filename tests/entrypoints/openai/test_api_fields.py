@@ -1,0 +1,108 @@
+"""Every field is honoured or refused: logit_bias is applied; fields pagedserve knows but does not
+implement are a 400 naming them (unless neutral); unknown fields are ignored with a warning;
+GET /v1/models/{id}. Real server on loopback, the real openai client where it can send the field."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+from server_harness import MODEL
+
+CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
+COMPLETION = {"prompt": "The capital of France is", "max_tokens": 2}
+
+REFUSED = [
+    # (route, field, a value that needs support, a neutral value that must be accepted)
+    ("completions", "suffix", " and Paris.", ""),
+    ("completions", "best_of", 3, 1),
+    ("completions", "guided_json", {"type": "object"}, None),
+    ("completions", "prompt_logprobs", 1, None),
+    ("completions", "use_beam_search", True, False),
+    ("completions", "add_special_tokens", False, True),
+    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
+    ("chat/completions", "tool_choice", "required", "none"),
+    ("chat/completions", "response_format", {"type": "json_object"}, {"type": "text"}),
+    ("chat/completions", "structured_outputs", {"regex": "[0-9]+"}, None),
+    ("chat/completions", "guided_choice", ["yes", "no"], None),
+    ("chat/completions", "chat_template_kwargs", {"enable_thinking": True}, None),
+    ("chat/completions", "modalities", ["text", "audio"], ["text"]),
+]
+
+
+def post(server, route: str, body: dict) -> httpx.Response:
+    base = COMPLETION if route == "completions" else CHAT
+    return httpx.post(f"{server.url}/v1/{route}", json={"model": MODEL, **base, **body}, timeout=60)
+
+
+@pytest.mark.parametrize("route,field,value,neutral", REFUSED, ids=[f"{r}-{f}" for r, f, *_ in REFUSED])
+def test_a_field_known_but_not_implemented_is_a_400_naming_it(server, route, field, value, neutral):
+    r = post(server, route, {field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and "not supported" in error["message"] and error["type"] == "invalid_request_error"
+    # Its neutral value means what leaving it out means: served.
+    assert post(server, route, {field: neutral}).status_code == 200
+
+
+def test_unknown_fields_are_ignored_with_a_warning(server, caplog):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.entrypoints.openai.protocol"):
+        r = post(server, "completions", {"x_client_trace": "abc", "metadata": {"k": "v"}, "store": False})
+    assert r.status_code == 200
+    assert "x_client_trace" in caplog.text and "metadata" not in caplog.text  # metadata is OpenAI's: accepted
+
+
+def test_logit_bias_steers_greedy_decoding(server, embedded_tokenizer):
+    client = server.client()
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                      logprobs=1)
+    first = embedded_tokenizer.encode(plain.choices[0].text, add_special_tokens=False)[0]
+    banned = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert embedded_tokenizer.encode(banned.choices[0].text, add_special_tokens=False)[0] != first
+    forced_id = embedded_tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=3, temperature=0,
+                                            logit_bias={str(forced_id): 100})
+    assert forced.choices[0].message.content == embedded_tokenizer.decode([forced_id] * 3)
+
+
+@pytest.mark.parametrize("bias,message", [({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"),
+                                          ({"99999999": 1}, "out of range")])
+def test_a_bad_logit_bias_is_a_400_naming_it(server, bias, message):
+    r = post(server, "completions", {"logit_bias": bias})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert message in r.json()["error"]["message"]
+
+
+def test_retrieve_a_model(server):
+    client = server.client()
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.max_model_len == 2048
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_the_compatibility_table_lists_every_field_and_says_which_are_refused():
+    from pathlib import Path
+
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    table = {}
+    for line in (Path(__file__).parents[3] / "docs" / "api_compatibility.md").read_text().splitlines():
+        if line.startswith("| `"):
+            field, completions, chat, status = [c.strip() for c in line.strip("|").split("|")]
+            table[field.strip("`")] = (completions == "yes", chat == "yes", status.startswith("refused"))
+
+    def refused(model, name):
+        return any("Refused" in getattr(getattr(m, "func", None), "__qualname__", "")
+                   for m in model.model_fields[name].metadata)
+
+    declared = {}
+    for name in CompletionRequest.model_fields.keys() | ChatCompletionRequest.model_fields.keys():
+        owner = CompletionRequest if name in CompletionRequest.model_fields else ChatCompletionRequest
+        declared[name] = (name in CompletionRequest.model_fields, name in ChatCompletionRequest.model_fields,
+                          refused(owner, name))
+    assert table == declared
