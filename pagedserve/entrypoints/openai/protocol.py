@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.sampling_params import ParameterError, SamplingParams
@@ -208,9 +208,29 @@ class TextContentPart(RequestModel):
     text: str
 
 
+def _text_parts_only(content: Any) -> Any:
+    """Content parts get one clear sentence each, before the str | list union would answer with
+    every member's complaint: a part that is not text (an image, audio, a file) is refused, as is
+    a text part without its text."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str):
+                raise PydanticCustomError("content_part", "content part {j} must be an object with a \"type\"",
+                                          {"j": j})
+            if kind != "text":
+                raise PydanticCustomError("text_only", "this model takes text only; content part {j} is of type {kind}",
+                                          {"j": j, "kind": repr(kind)})
+            if not isinstance(part.get("text"), str):
+                raise PydanticCustomError("content_part", "content part {j} is a text part without a string \"text\"",
+                                          {"j": j})
+    return content
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[str | list[TextContentPart], ValidUnicode]
+    # "developer" is OpenAI's newer name for "system" (templates know "system" only).
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str | list[TextContentPart], BeforeValidator(_text_parts_only), ValidUnicode]
 
     def text(self) -> str:
         if isinstance(self.content, str):

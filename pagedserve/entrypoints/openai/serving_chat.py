@@ -55,7 +55,8 @@ class OpenAIServingChat(OpenAIServing):
     def _apply_chat_template(self, request: ChatCompletionRequest) -> Prompt:
         """The prompt's text and token ids. Runs on the executor."""
         tokenizer = self.engine.tokenizer
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in request.messages]
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template rejects this conversation (e.g. roles out of order)

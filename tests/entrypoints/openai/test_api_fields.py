@@ -106,3 +106,30 @@ def test_the_compatibility_table_lists_every_field_and_says_which_are_refused():
         declared[name] = (name in CompletionRequest.model_fields, name in ChatCompletionRequest.model_fields,
                           refused(owner, name))
     assert table == declared
+
+
+def test_the_developer_role_is_the_system_role_and_text_parts_are_text(server):
+    client = server.client()
+
+    def reply(messages):
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                              temperature=0).choices[0].message.content
+
+    system = reply([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Say hello."}])
+    developer = reply([{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Say hello."}])
+    parts = reply([{"role": "system", "content": [{"type": "text", "text": "Answer in "}, {"type": "text", "text": "French."}]},
+                   {"role": "user", "content": [{"type": "text", "text": "Say hello."}]}])
+    assert developer == system == parts
+
+
+@pytest.mark.parametrize("part,message", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "this model takes text only; "
+                                                                                  "content part 1 is of type 'image_url'"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "text only"),
+    ({"type": "text"}, 'content part 1 is a text part without a string "text"'),
+])
+def test_a_content_part_that_is_not_text_is_a_400_in_one_sentence(server, part, message):
+    r = post(server, "chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "What?"}, part]}]})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages" and message in error["message"] and "more error" not in error["message"]
