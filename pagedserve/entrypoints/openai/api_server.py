@@ -26,15 +26,19 @@ from pagedserve.entrypoints.openai import http_server
 from pagedserve.entrypoints.openai.limits import default_max_body_bytes, prompt_bound
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
 from pagedserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, ResponseModel,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
+    ModelList, ResponseModel, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import APIError, Drain, bad_request, server_error, shutting_down
+from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Routes outside /v1 that use the model: the API key guards them too (vLLM's tokenizer routes).
+MODEL_ROUTES = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 
 # What each error status means here, for the OpenAPI schema (all carry an ErrorResponse body).
 ERROR_STATUSES = {
@@ -120,6 +124,20 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     app.include_router(v1)
 
+    tokenization = OpenAIServingTokenization(chat)
+
+    @app.post("/tokenize", responses=_errors(400, *auth, 404, 503))
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize", responses=_errors(400, *auth, 404, 503))
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(body)
+
+    @app.get("/tokenizer_info", responses=_errors(*auth, 503))
+    async def tokenizer_info() -> TokenizerInfoResponse:
+        return tokenization.tokenizer_info()
+
     @app.get("/health", response_model=HealthStatus, responses=_errors(503))
     async def health() -> Response:
         if drain.draining:
@@ -172,7 +190,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in MODEL_ROUTES):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")

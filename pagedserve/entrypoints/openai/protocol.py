@@ -262,6 +262,22 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: Annotated[Any, Refused(False)] = None
 
 
+class TokenizeRequest(RequestModel):
+    """vLLM's POST /tokenize: a prompt, or chat messages through the chat template."""
+
+    model: Annotated[str, ValidUnicode] | None = None
+    prompt: Annotated[str, ValidUnicode] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(RequestModel):
+    model: Annotated[str, ValidUnicode] | None = None
+    tokens: list[int]
+
+
 # ---- responses -------------------------------------------------------------------------------
 
 
@@ -277,6 +293,27 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
     max_model_len: int
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class TokenizerInfoResponse(ResponseModel):
+    tokenizer_class: str
+    vocab_size: int
+    model_max_length: int  # the server's max_model_len
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
 
 
 class ModelList(ResponseModel):

@@ -11,7 +11,8 @@ from starlette.responses import Response
 
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionRequest,
-    ChatCompletionResponse, ChatCompletionStreamChoice, ChatResponseMessage, DeltaMessage, TopLogprob, UsageInfo,
+    ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage, DeltaMessage, TopLogprob,
+    UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
     SSE_DONE, APIError, OpenAIServing, Prompt, StreamState, bad_request, random_id, sse,
@@ -28,7 +29,7 @@ class OpenAIServingChat(OpenAIServing):
         # template puts each message's content into the prompt, at most trimmed of surrounding
         # whitespace (Llama 3's trims), so the stripped lengths are what the prompt holds at least.
         await self.check_prompt_chars([m.text().strip() for m in request.messages], "messages")
-        prompt = await self.run_blocking(self._apply_chat_template, request)
+        prompt = await self.run_blocking(self.chat_prompt, request.messages)
         num_prompt_tokens = len(prompt[1])
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_context(num_prompt_tokens, max_tokens, "messages")
@@ -52,13 +53,12 @@ class OpenAIServingChat(OpenAIServing):
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=_usage(output))
         return JSONResponse(response.model_dump())
 
-    def _apply_chat_template(self, request: ChatCompletionRequest) -> Prompt:
-        """The prompt's text and token ids. Runs on the executor."""
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
+        """The conversation's prompt text (the chat template's) and token ids. Runs on the executor."""
         tokenizer = self.engine.tokenizer
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in request.messages]
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # the template rejects this conversation (e.g. roles out of order)
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
         return text, tokenizer.encode(text, add_special_tokens=False)  # as LLM.chat does

@@ -133,3 +133,33 @@ def test_a_content_part_that_is_not_text_is_a_400_in_one_sentence(server, part, 
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == "messages" and message in error["message"] and "more error" not in error["message"]
+
+
+def test_tokenize_and_detokenize_as_vllm_does(server, embedded_tokenizer):
+    text = "The capital of France is Paris."
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == embedded_tokenizer.encode(text)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 2048
+    assert body["token_strs"] == embedded_tokenizer.convert_ids_to_tokens(body["tokens"])
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": body["tokens"]}).json()
+    assert back == {"prompt": embedded_tokenizer.decode(body["tokens"])}
+
+    # Messages go through the same template as a chat request: the count is what the chat costs.
+    messages = [{"role": "user", "content": "Say hi."}]
+    counted = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
+    usage = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert counted == usage.prompt_tokens
+
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    assert info["vocab_size"] == len(embedded_tokenizer) and info["eos_token"] == embedded_tokenizer.eos_token
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("tokenize", {}, "prompt"), ("tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("detokenize", {"tokens": [10**9]}, "tokens"), ("detokenize", {"tokens": ["a"]}, "tokens"),
+    ("tokenize", {"prompt": "a", "model": "other"}, "model"),
+])
+def test_bad_tokenizer_requests_are_4xx_naming_the_field(server, route, body, param):
+    r = httpx.post(f"{server.url}/{route}", json=body)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == param

@@ -324,7 +324,9 @@ def test_metrics_parse_and_move(server):
 
 def test_api_key(server):
     with serve(build_app(server.async_engine, MODEL, api_key="sk-test")) as url:
-        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
+        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("GET", "/v1/models/x"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                             ("GET", "/tokenizer_info")]:
             for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test"}]:
                 r = httpx.request(method, url + path, headers=headers, content=b"{not json")
                 assert r.status_code == 401
