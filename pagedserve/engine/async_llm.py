@@ -59,6 +59,7 @@ class AsyncLLM:
         self._tracker = RequestTracker()
         self._lock = threading.Lock()  # the output processor, the tracker and the command socket
         self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._process: multiprocessing.Process | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -112,12 +113,10 @@ class AsyncLLM:
             self._close()
             raise
         self.stats = self._tracker.snapshot(self.ready.stats)
-        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._thread = threading.Thread(target=self._run, name="pagedserve-front", daemon=True)
         self._thread.start()
 
     def _await_ready(self) -> CoreReady:
-        decoder = msgspec.msgpack.Decoder(CoreMessage)
         poller = zmq.Poller()
         poller.register(self._outputs, zmq.POLLIN)
         poller.register(self._process.sentinel, zmq.POLLIN)
@@ -125,7 +124,7 @@ class AsyncLLM:
         while (left := deadline - time.monotonic()) > 0:
             events = dict(poller.poll(left * 1000))
             if self._outputs in events:
-                message = decoder.decode(self._outputs.recv())
+                message = self._decoder.decode(self._outputs.recv())
                 if isinstance(message, CoreFailed):
                     raise RuntimeError(message.message)
                 if isinstance(message, CoreReady):
@@ -198,7 +197,7 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self.output_processor.add_request(request_id, prompt_text, list(prompt), params, arrival)
             self._tracker.add(request_id, stream, params.n)
-            self._send(EngineCoreRequest(request_id, list(prompt), params, arrival))
+            self._send(EngineCoreRequest(request_id, list(prompt), params))
         try:
             while not stream.finished:
                 yield await stream.get()

@@ -127,7 +127,7 @@ class EngineCore:
                 # Each sample its own stream; the first uses the seed as given.
                 generator = torch.Generator(self.config.device).manual_seed((params.seed + i * 0x9E3779B1) % 2**63)
             samples.append(Request((request_id, i), token_ids, params, group_id=request_id, sample_index=i,
-                                   generator=generator, arrival_time=request.arrival_time))
+                                   generator=generator))
         self._groups[request_id] = samples
         if len(samples) > 1:
             self._pending_forks[samples[0].request_id] = samples[1:]
@@ -257,7 +257,6 @@ class EngineCore:
         if status is None and (num_out >= max_tokens or request.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            request.stop_reason = stop_reason
             self.scheduler.finish(request, status)
         return SampleOutput(request.group_id, request.sample_index, [token], logprobs,
                             status.value if status else None, stop_reason, request.num_cached_tokens or 0)

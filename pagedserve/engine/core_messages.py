@@ -19,7 +19,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):

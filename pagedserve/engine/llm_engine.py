@@ -12,7 +12,7 @@ import itertools
 import time
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineCore, EngineStats, find_culprits  # noqa: F401  (re-exported)
+from pagedserve.engine.core import EngineCore, EngineStats
 from pagedserve.engine.core_messages import EngineCoreRequest
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.kv import KVCacheStats
@@ -94,7 +94,7 @@ class LLMEngine:
         params.verify_for_engine(self.model_config.vocab_size, self.scheduler.max_num_seqs)
         text, token_ids = self.tokenize(prompt)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival_time))  # validates the prompt
+        self.core.add_request(EngineCoreRequest(request_id, token_ids, params))  # validates the prompt
         self.output_processor.add_request(request_id, prompt_text if prompt_text is not None else text,
                                           token_ids, params, arrival_time)
 

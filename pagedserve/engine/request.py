@@ -7,7 +7,6 @@ are forked from it when its first token is sampled and share its blocks.
 from __future__ import annotations
 
 import enum
-import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -39,7 +38,6 @@ class Request:
         group_id: str | None = None,
         sample_index: int = 0,
         generator: torch.Generator | None = None,
-        arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id  # the user's request id
@@ -55,9 +53,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
 
     @property
     def num_tokens(self) -> int:

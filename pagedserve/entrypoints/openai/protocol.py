@@ -170,11 +170,13 @@ class SamplingRequest(RequestModel):
 
 def _token_keyed(logit_bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's logit_bias keys are token ids written as strings."""
-    try:
-        return {int(token): bias for token, bias in logit_bias.items()}
-    except ValueError:
-        bad = next(t for t in logit_bias if not t.strip().lstrip("-").isdigit())
-        raise ParameterError("logit_bias", f"logit_bias keys must be token ids, got {bad!r}") from None
+    keyed = {}
+    for token, bias in logit_bias.items():
+        try:
+            keyed[int(token)] = bias
+        except ValueError:
+            raise ParameterError("logit_bias", f"logit_bias keys must be token ids, got {token!r}") from None
+    return keyed
 
 
 class CompletionRequest(SamplingRequest):
