@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json as jsonlib
 from dataclasses import dataclass
+from typing import Any
 
 # Below this temperature a request is sampled greedily (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
@@ -34,6 +36,70 @@ def _is_real(x: object) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's names). Exactly one of:
+    `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON object), `regex`,
+    `choice` (one of these strings) or `grammar` (xgrammar's EBNF, GBNF-like, root rule `root`).
+    `disable_any_whitespace`: JSON without optional whitespace between tokens.
+
+    Compiled with xgrammar by the engine core (`engine/structured_output.py`); a spec it cannot
+    compile is a ParameterError at `verify_for_engine`."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        def fail(rule: str) -> None:
+            raise ParameterError("structured_outputs", f"structured_outputs: {rule}")
+
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            fail(f"give exactly one of json, json_object, regex, choice or grammar, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            fail("json must be a JSON schema, as an object or its JSON text")
+        if isinstance(self.json, str):
+            try:
+                jsonlib.loads(self.json)
+            except ValueError as e:
+                fail(f"json is not valid JSON text: {e}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                fail(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if not (isinstance(self.choice, list) and self.choice
+                    and all(isinstance(c, str) and c for c in self.choice)):
+                fail("choice must be a non-empty list of non-empty strings")
+        if not isinstance(self.disable_any_whitespace, bool):
+            fail("disable_any_whitespace must be a bool")
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on: (kind, spec text, whitespace flag). Requests with
+        equal keys share one compiled grammar."""
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else jsonlib.dumps(self.json)  # key order is property order
+            return "json", spec, self.disable_any_whitespace
+        if self.json_object:
+            return "json_object", "", self.disable_any_whitespace
+        if self.choice is not None:
+            return "choice", jsonlib.dumps(self.choice), False
+        if self.regex is not None:
+            return "regex", self.regex, False
+        return "grammar", self.grammar, False
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ValueError naming the parameter.
 
@@ -60,6 +126,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # guided decoding: see the class
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -117,6 +184,8 @@ class SamplingParams:
         if self.logit_bias is not None and not (isinstance(self.logit_bias, dict) and all(
                 _is_int64(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items())):
             fail("logit_bias", "a dict of token ids (ints >= 0) to biases in [-100, 100], or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", "a StructuredOutputsParams or None")
 
     def verify_for_engine(self, vocab_size: int, max_num_seqs: int) -> None:
         """The checks that need the engine: token ids and counts within the vocabulary, and no
@@ -137,6 +206,10 @@ class SamplingParams:
             raise ParameterError("logit_bias", f"logit_bias: token id {bad} is out of range for a vocabulary of {vocab_size}")
         if self.n > max_num_seqs:
             fail("n", f"<= max_num_seqs ({max_num_seqs})")
+        if self.structured_outputs is not None:
+            from pagedserve.engine.structured_output import check_grammar  # xgrammar only when asked for
+
+            check_grammar(self.structured_outputs)
 
     @property
     def is_greedy(self) -> bool:

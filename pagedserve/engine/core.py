@@ -25,7 +25,9 @@ from pagedserve.engine.executor import Executor, UniProcExecutor
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
+from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.kv import KVCacheManager, KVCacheStats
+from pagedserve.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +86,11 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, *, eos_token_ids: Iterable[int] = (), model=None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, tokenizer=None) -> None:
         """`model` = (module, ModelConfig) may be passed in to share loaded weights. The EOS ids
-        are the model's plus `eos_token_ids` (the tokenizer's, which the front knows)."""
+        are the model's plus `eos_token_ids` (the tokenizer's, which the front knows). The
+        `tokenizer`'s vocabulary compiles grammars; without one, the first constrained request
+        loads the checkpoint's."""
         self.config = config
         self.executor = executor or UniProcExecutor(config, model)
         self.model_config = model_config = self.executor.model_config
@@ -102,6 +106,9 @@ class EngineCore:
         self.sampler = Sampler(seed=config.seed)
         self.token_counts = TokenCounts(model_config.vocab_size, config.device)
         self.eos_token_ids = set(model_config.eos_token_ids) | set(eos_token_ids)
+        self.structured_output = StructuredOutputManager(
+            model_config.vocab_size, self.eos_token_ids,
+            (lambda: tokenizer) if tokenizer is not None else (lambda: load_tokenizer(config.model)))
         self.stats = EngineStats()
         self._groups: dict[str, list[Request]] = {}  # user request id -> its samples
         self._pending_forks: dict[Hashable, list[Request]] = {}  # first sample -> samples to fork
@@ -120,6 +127,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.verify_for_engine(self.vocab_size, self.scheduler.max_num_seqs)
         self.validate_prompt(token_ids)
+        grammars = [None] * params.n
+        if params.structured_outputs is not None:
+            grammars = self.structured_output.matchers(params.structured_outputs, params.n)
         samples = []
         for i in range(params.n):
             generator = None
@@ -128,6 +138,7 @@ class EngineCore:
                 generator = torch.Generator(self.config.device).manual_seed((params.seed + i * 0x9E3779B1) % 2**63)
             samples.append(Request((request_id, i), token_ids, params, group_id=request_id, sample_index=i,
                                    generator=generator))
+            samples[-1].grammar = grammars[i]
         self._groups[request_id] = samples
         if len(samples) > 1:
             self._pending_forks[samples[0].request_id] = samples[1:]
@@ -213,7 +224,8 @@ class EngineCore:
         batch = SamplingBatch.build(
             [r.sampling_params for r in samplers], [r.prompt_token_ids for r in samplers],
             [r.output_token_ids for r in samplers], [r.generator for r in samplers], self.eos_token_ids,
-            logits.device, self.token_counts, [r.request_id for r in samplers])
+            logits.device, self.token_counts, [r.request_id for r in samplers],
+            self.structured_output.bitmask([r.grammar for r in samplers], logits.device))
         return _StepResult(samplers, self.sampler(logits, batch))
 
     def _commit(self, plan: SchedulerOutput, result: _StepResult) -> list[SampleOutput]:
@@ -248,7 +260,9 @@ class EngineCore:
         # the length. Stop strings are the front's (it reads text).
         status, stop_reason = None, None
         num_out = len(request.output_token_ids)
-        if num_out >= params.min_tokens:
+        if request.grammar is not None and not self._advance_grammar(request, token):
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing more may follow
+        elif num_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif params.stop_token_ids and token in params.stop_token_ids:
@@ -260,6 +274,17 @@ class EngineCore:
             self.scheduler.finish(request, status)
         return SampleOutput(request.group_id, request.sample_index, [token], logprobs,
                             status.value if status else None, stop_reason, request.num_cached_tokens or 0)
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> bool:
+        """Feed the sampled token to the request's grammar; False once the grammar has ended (it
+        took a stop token, or it admits no token at all: min_tokens blocked the stop tokens of a
+        complete grammar, say)."""
+        grammar = request.grammar
+        if not grammar.accept_token(token):
+            logger.warning("request %s: its grammar refused token %d; ending it", request.group_id, token)
+            return False
+        return not grammar.is_terminated()
 
     # ---- faults --------------------------------------------------------------------------
 

@@ -32,7 +32,8 @@ class LLMEngine:
 
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer or load_tokenizer(config.model)
-        self.core = EngineCore(config, eos_token_ids=tokenizer_eos_ids(self.tokenizer), model=model)
+        self.core = EngineCore(config, eos_token_ids=tokenizer_eos_ids(self.tokenizer), model=model,
+                               tokenizer=self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 

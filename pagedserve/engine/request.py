@@ -54,6 +54,9 @@ class Request:
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        # Its grammar's state (an xgrammar GrammarMatcher) when its output is constrained: it has
+        # accepted exactly output_token_ids, whatever the request's KV state.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

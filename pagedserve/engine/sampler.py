@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagedserve.engine.structured_output import apply_bitmask
 from pagedserve.sampling_params import SamplingParams
 
 _PAD = -1  # pads ragged token-id lists; remapped to a spill column when counting
@@ -51,6 +52,8 @@ class SamplingBatch:
     output_counts: Tensor | None = None
     # (rows, tokens, biases) of every row's logit_bias, added to the logits in one op.
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
+    # (rows, their token bitmasks) of the rows a grammar constrains (structured_output.py).
+    grammar_bitmask: tuple[Tensor, Tensor] | None = None
 
     @classmethod
     def build(
@@ -63,6 +66,7 @@ class SamplingBatch:
         device: torch.device | str,
         counts: TokenCounts | None = None,
         keys: list[Hashable] | None = None,
+        grammar_bitmask: tuple[Tensor, Tensor] | None = None,
     ) -> SamplingBatch:
         """`counts` (with each row's request id in `keys`): take the penalties' token counts from
         there, kept from step to step, instead of padding every prompt and output again."""
@@ -151,6 +155,7 @@ class SamplingBatch:
             seen=seen_mask,
             output_counts=output_counts,
             logit_bias=logit_bias,
+            grammar_bitmask=grammar_bitmask,
         )
 
 
@@ -228,6 +233,8 @@ class Sampler:
         logits = logits.float()
         raw = logits
 
+        if batch.grammar_bitmask is not None:
+            logits = apply_bitmask(logits, *batch.grammar_bitmask)
         if batch.blocked is not None:
             logits = logits.index_put(batch.blocked, torch.tensor(float("-inf"), device=logits.device))
         if batch.logit_bias is not None:

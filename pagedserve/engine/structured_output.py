@@ -1,0 +1,124 @@
+"""Structured output (guided decoding) with xgrammar: grammars compiled once, one matcher per sample.
+
+A request's `StructuredOutputsParams` compiles (cached by the compiler: requests with the same
+schema share one compiled grammar) into a grammar over the tokenizer's vocabulary. Each sample
+gets its own `GrammarMatcher`, kept on its `Request`: it advances only when a sampled token is
+committed, so it survives preemption (recomputation replays no tokens through it) and failed
+steps (which commit nothing). Before sampling, the matchers of the constrained rows fill one
+bitmask of allowed tokens; the sampler applies it to those rows only, so free rows in the same
+batch pay nothing.
+
+The core has no tokenizer of its own (it deals in token ids): the grammar compiler needs the
+vocabulary's strings, so the first constrained request loads it (the front's tokenizer, when
+the core runs in the front's process; the checkpoint's, when it runs in a process of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from pagedserve.sampling_params import ParameterError, StructuredOutputsParams
+
+# xgrammar's errors start with a timestamp and a C++ source location; the rest is for the user.
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _reason(error: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(error).strip())
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    # JSON's string escapes are xgrammar EBNF's too: any choice text is a valid literal.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def check_grammar(spec: StructuredOutputsParams) -> None:
+    """ParameterError (naming structured_outputs) unless xgrammar can build the grammar. Needs no
+    vocabulary, so the front checks before a request reaches the core."""
+    kind, text, _ = spec.key
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(text)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(text)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(_choice_grammar(spec.choice))
+    except Exception as e:  # xgrammar raises RuntimeError (C++) or ValueError
+        raise ParameterError("structured_outputs", f"the {kind} constraint cannot be compiled: {_reason(e)}") from None
+
+
+class StructuredOutputManager:
+    """Compiles grammars and builds each step's bitmask. `load_tokenizer` is called once, on the
+    first constrained request; `stop_token_ids` end a grammar (the engine's EOS ids)."""
+
+    def __init__(self, vocab_size: int, stop_token_ids: list[int], load_tokenizer: Callable[[], Any]) -> None:
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._load_tokenizer = load_tokenizer
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+        self._bitmask: torch.Tensor | None = None  # reused from step to step: [rows, ceil(vocab / 32)] int32
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                # One thread: the engine's step loop is the only caller, and the cores are the model's.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=256 * 2**20)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar (the compiler caches it by its spec). ParameterError if it fails."""
+        compiler = self._get_compiler()
+        kind, text, compact = spec.key
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(text, any_whitespace=not compact)
+            if kind == "json_object":
+                if compact:
+                    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return compiler.compile_json_schema('{"type": "object"}')
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "choice":
+                return compiler.compile_grammar(_choice_grammar(spec.choice))
+            return compiler.compile_grammar(text)
+        except Exception as e:
+            raise ParameterError("structured_outputs",
+                                 f"the {kind} constraint cannot be compiled: {_reason(e)}") from None
+
+    def matchers(self, spec: StructuredOutputsParams, n: int) -> list[xgr.GrammarMatcher]:
+        """One matcher per sample, each at the grammar's start."""
+        compiled = self.compile(spec)
+        return [xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids) for _ in range(n)]
+
+    def bitmask(self, matchers: list[xgr.GrammarMatcher | None], device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, their bitmasks) for the rows with a matcher, or None when no row is constrained."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(rows), 8), self.vocab_size)
+        bitmask = self._bitmask[: len(rows)]
+        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask)
+        return torch.tensor(rows, dtype=torch.long, device=device), bitmask.to(device, copy=True)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with every token a row's bitmask disallows at -inf, out of place: the caller's
+    logits (the raw ones, whose logprobs are returned) stay as they are."""
+    constrained = logits.index_select(0, rows)
+    xgr.apply_token_bitmask_inplace(constrained, bitmask, vocab_size=logits.shape[1])
+    return logits.index_copy(0, rows, constrained)
