@@ -26,6 +26,11 @@ import xgrammar as xgr
 
 from pagedserve.sampling_params import ParameterError, StructuredOutputsParams
 
+# Whitespace characters allowed between two JSON tokens. Unbounded, a small model can emit
+# newlines until max_tokens (the 135M default model does, after a prompt ending in "{"), and the
+# output no longer parses; one keeps the model's choice of nothing, a space or a newline.
+JSON_MAX_WHITESPACE = 1
+
 # xgrammar's errors start with a timestamp and a C++ source location; the rest is for the user.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -83,12 +88,11 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         kind, text, compact = spec.key
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=not compact)
-            if kind == "json_object":
+            if kind in ("json", "json_object"):
+                schema = text if kind == "json" else '{"type": "object"}'
                 if compact:
-                    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-                return compiler.compile_json_schema('{"type": "object"}')
+                    return compiler.compile_json_schema(schema, any_whitespace=False)
+                return compiler.compile_json_schema(schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":

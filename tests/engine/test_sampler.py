@@ -314,3 +314,31 @@ def test_logit_bias_is_added_to_its_rows_only():
     biased = build(params).logit_bias
     assert sorted(zip(biased[0].tolist(), biased[1].tolist(), biased[2].tolist())) == [
         (0, 1, 2.5), (0, 4, -100.0), (2, 0, 1.0)]
+
+
+def packed_bitmask(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """xgrammar's layout, written out: bit j of int32 word w allows token 32 * w + j."""
+    words = torch.zeros(len(allowed), -(-vocab // 32), dtype=torch.int64)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            words[row, t // 32] |= 1 << (t % 32)
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # the same 32 bits, as signed int32
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_bitmask_constrains_its_rows_only(temperature):
+    logits = rand_logits(3, 100, seed=4)
+    allowed = {5, 17, 96}
+    mask = (torch.tensor([1]), packed_bitmask([allowed], 100))
+    params = [SamplingParams(temperature=temperature, logprobs=2, seed=i) for i in range(3)]
+    free = Sampler(seed=0)(logits, build(params, generators=[torch.Generator().manual_seed(i) for i in range(3)]))
+    batch = build(params, generators=[torch.Generator().manual_seed(i) for i in range(3)])
+    batch.grammar_bitmask = mask
+    out = Sampler(seed=0)(logits, batch)
+    assert out.token_ids[1] in allowed
+    if temperature == 0.0:
+        assert out.token_ids[1] == max(allowed, key=lambda t: logits[1, t])
+    # The other rows draw as they would without the constrained one; logprobs stay raw.
+    assert [out.token_ids[0], out.token_ids[2]] == [free.token_ids[0], free.token_ids[2]]
+    assert out.top_logprobs[1] == free.top_logprobs[1]
+    assert out.logprobs[1] == pytest.approx(logits[1].log_softmax(-1)[out.token_ids[1]].item(), abs=1e-5)

@@ -5,8 +5,8 @@ not 5). Every field is honoured or refused:
 - the fields declared here are honoured, including ones that change nothing in a single-model
   server's output (`user`, `metadata`, `store`, `service_tier`);
 - fields of OpenAI's or vLLM's API that would change the output and that pagedserve does not
-  implement (`Unsupported` below: `suffix`, `response_format`, `guided_json`, ...) are a
-  400 naming the field, unless they carry their neutral value (null, `{"type": "text"}`, ...);
+  implement (`Refused` below: `suffix`, `prompt_logprobs`, `functions`, ...) are a 400 naming
+  the field, unless they carry their neutral value (null, `""`, `[]`, ...);
 - a field no API defines is ignored with a warning in the log, as vLLM does (clients add their
   own; refusing them breaks clients that work against OpenAI's servers).
 Ranges follow OpenAI's documentation; vLLM's extra sampling fields (top_k, min_p, ...) are
@@ -106,6 +106,55 @@ def Refused(*neutral: Any, hint: str = "") -> AfterValidator:
     return AfterValidator(check)
 
 
+class JsonSchemaFormat(RequestModel):
+    name: Annotated[str, ValidUnicode] = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Annotated[str, ValidUnicode] | None = None
+    # OpenAI's name is `schema`, which pydantic's BaseModel has as a method: hence the alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("json_schema", "json_schema is required with type json_schema, "
+                                      "and only then")
+        return self
+
+    def to_params(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            # No schema: any JSON object, as OpenAI's json_schema without one.
+            schema = self.json_schema.json_schema
+            return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+        return None
+
+
+class StructuredOutputsField(RequestModel):
+    """vLLM's structured_outputs object (StructuredOutputsParams' fields)."""
+
+    json_: Annotated[str | dict[str, Any], ValidUnicode] | None = Field(None, alias="json")
+    regex: Annotated[str, ValidUnicode] | None = None
+    choice: Annotated[list[str], ValidUnicode] | None = None
+    grammar: Annotated[str, ValidUnicode] | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_fallback: bool | None = None  # there is one backend, so nothing to fall back to
+    structural_tag: Annotated[Any, Refused()] = None
+    whitespace_pattern: Annotated[Any, Refused()] = None
+    disable_additional_properties: Annotated[Any, Refused(False)] = None
+
+    def model_dump(self, **kwargs) -> dict[str, Any]:
+        return super().model_dump(by_alias=True, **kwargs)
+
+
 class StreamOptions(RequestModel):
     include_usage: bool = False
 
@@ -138,13 +187,16 @@ class SamplingRequest(RequestModel):
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
+    # Structured output: at most one of these (see structured_outputs_params).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's
+    guided_json: Annotated[str | dict[str, Any], ValidUnicode] | None = None  # vLLM's older names
+    guided_regex: Annotated[str, ValidUnicode] | None = None
+    guided_choice: Annotated[list[str], ValidUnicode] | None = None
+    guided_grammar: Annotated[str, ValidUnicode] | None = None
+    guided_decoding_backend: Annotated[Any, Refused("xgrammar", "auto")] = None  # xgrammar is the one there is
+    guided_whitespace_pattern: Annotated[Any, Refused()] = None
     # Known, not implemented: a 400 naming the field unless it is null (or neutral).
-    structured_outputs: Annotated[Any, Refused()] = None
-    guided_json: Annotated[Any, Refused()] = None
-    guided_regex: Annotated[Any, Refused()] = None
-    guided_choice: Annotated[Any, Refused()] = None
-    guided_grammar: Annotated[Any, Refused()] = None
-    guided_decoding_backend: Annotated[Any, Refused()] = None
     prompt_logprobs: Annotated[Any, Refused()] = None
     allowed_token_ids: Annotated[Any, Refused()] = None
     bad_words: Annotated[Any, Refused()] = None
@@ -166,7 +218,38 @@ class SamplingRequest(RequestModel):
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.logit_bias is not None:
             given["logit_bias"] = _token_keyed(self.logit_bias)
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              structured_outputs=self.structured_outputs_params(), **given)
+
+    def structured_output_field(self) -> str | None:
+        """The one field that constrains the output, if any; two are a 400 naming the second."""
+        fields = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if fields and fields[0] == "response_format" and self.response_format.type == "text":
+            fields.pop(0)  # the neutral value
+        if len(fields) > 1:
+            raise ParameterError(fields[1], f"{fields[1]} cannot be combined with {fields[0]}: give one constraint")
+        return fields[0] if fields else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint the request puts on its output. Errors name the field it came from."""
+        field = self.structured_output_field()
+        if field is None:
+            return None
+        try:
+            if field == "response_format":
+                return self.response_format.to_params()
+            if field == "structured_outputs":
+                given = self.structured_outputs.model_dump(exclude_none=True)
+                given.pop("disable_fallback", None)
+                return StructuredOutputsParams(**given)
+            kind = field.removeprefix("guided_")
+            return StructuredOutputsParams(**{kind: getattr(self, field)})
+        except ParameterError as e:
+            raise ParameterError(field, str(e).replace("structured_outputs: ", f"{field}: ", 1)) from None
+
+
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
 
 
 def _token_keyed(logit_bias: dict[str, float]) -> dict[int, float]:
@@ -337,7 +420,6 @@ class ChatCompletionRequest(SamplingRequest):
     # OpenAI's deprecated names for tools and tool_choice, whose answers use function_call, not tool_calls.
     functions: Annotated[Any, Refused([], hint="; use tools")] = None
     function_call: Annotated[Any, Refused("none", "auto", hint="; use tool_choice")] = None
-    response_format: Annotated[Any, Refused({"type": "text"})] = None
     modalities: Annotated[Any, Refused(["text"])] = None
     audio: Annotated[Any, Refused()] = None
     prediction: Annotated[Any, Refused()] = None
@@ -392,16 +474,17 @@ class ChatCompletionRequest(SamplingRequest):
         return schema
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The tools' constraint, for tool_choice "required" or a named function. Without
-        optional whitespace: arguments come back compact, and a small model cannot wander off
-        into blank space."""
+        """The request's constraint, or the tools' for tool_choice "required" or a named function
+        (one constraint at most: both are a 400). The tools' JSON has no optional whitespace:
+        arguments come back compact."""
         schema = self.tool_schema()
-        return None if schema is None else StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        params = super().to_sampling_params(max_tokens, logprobs)
-        params.structured_outputs = self.structured_outputs_params()
-        return params
+        if schema is None:
+            return super().structured_outputs_params()
+        field = self.structured_output_field()
+        if field is not None:
+            raise ParameterError(field, f'{field} cannot be combined with tool_choice "required" or a named function: '
+                                 "the tools constrain the output already")
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 class TokenizeRequest(RequestModel):

@@ -180,7 +180,10 @@ class OpenAIServing:
             params = request.to_sampling_params(max_tokens, logprobs)
             params.verify_for_engine(self.engine.vocab_size, self.engine.max_num_seqs)
         except ParameterError as e:
-            raise bad_request(str(e), e.param) from e
+            param = e.param
+            if param == "structured_outputs":  # a grammar that does not compile: name the field it came from
+                param = request.structured_output_field()
+            raise bad_request(str(e).replace("structured_outputs", param, 1), param) from e
         return params
 
     async def generate(self, prompts: list[Prompt], params: SamplingParams, request_id: str,

@@ -18,15 +18,13 @@ REFUSED = [
     # (route, field, a value that needs support, a neutral value that must be accepted)
     ("completions", "suffix", " and Paris.", ""),
     ("completions", "best_of", 3, 1),
-    ("completions", "guided_json", {"type": "object"}, None),
+    ("completions", "guided_decoding_backend", "outlines", "xgrammar"),
+    ("completions", "guided_whitespace_pattern", "[ ]?", None),
     ("completions", "prompt_logprobs", 1, None),
     ("completions", "use_beam_search", True, False),
     ("completions", "add_special_tokens", False, True),
     ("chat/completions", "functions", [{"name": "f", "parameters": {}}], []),
     ("chat/completions", "function_call", {"name": "f"}, "none"),
-    ("chat/completions", "response_format", {"type": "json_object"}, {"type": "text"}),
-    ("chat/completions", "structured_outputs", {"regex": "[0-9]+"}, None),
-    ("chat/completions", "guided_choice", ["yes", "no"], None),
     ("chat/completions", "chat_template_kwargs", {"enable_thinking": True}, None),
     ("chat/completions", "modalities", ["text", "audio"], ["text"]),
 ]

@@ -6,6 +6,7 @@ hanging, and leaves no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -87,3 +88,18 @@ def test_the_core_dies_health_fails_and_requests_get_500_quickly(process_server)
     assert health.status_code == 503 and health.json()["error"]["type"] == "server_error"
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+
+
+def test_structured_output_in_the_core_process(process_server, offline):
+    """The core process has no tokenizer of its own: its first constrained request loads the
+    checkpoint's vocabulary to compile the grammar. Same answer as the offline API."""
+    from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "year": {"type": "integer"}},
+              "required": ["city", "year"]}
+    got = process_server.client().completions.create(model=MODEL, prompt="A trip:", max_tokens=40, temperature=0,
+                                                     extra_body={"guided_json": schema})
+    want = offline.generate(["A trip:"], SamplingParams(max_tokens=40, temperature=0.0,
+                                                        structured_outputs=StructuredOutputsParams(json=schema)))
+    assert got.choices[0].text == want[0].outputs[0].text
+    assert json.loads(got.choices[0].text)["city"] in ("Paris", "Rome")

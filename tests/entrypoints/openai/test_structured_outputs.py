@@ -1,0 +1,128 @@
+"""Structured output over HTTP, as clients send it: the openai client's response_format (json_schema
+from a pydantic model, json_object), vLLM's guided_* and structured_outputs through extra_body,
+streaming, LangChain's with_structured_output; bad specs are 400s naming their field. Real server
+on loopback (the module's `server`: an in-thread engine on the embedded model)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
+from server_harness import MODEL
+
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+    population_millions: int = Field(ge=0, le=100)
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer"}},
+          "required": ["answer", "confidence"]}
+ASK = [{"role": "user", "content": "Tell me about Paris as JSON."}]
+
+
+def test_openai_parse_with_a_pydantic_model(server):
+    """openai's `parse` sends response_format json_schema (strict) and parses the answer."""
+    completion = server.client().chat.completions.parse(model=MODEL, messages=ASK, response_format=City,
+                                                        max_tokens=80, temperature=0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City)
+    assert City.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_schema_sampled_always_validates(server):
+    client = server.client()
+    completion = client.chat.completions.create(
+        model=MODEL, messages=ASK, n=8, max_tokens=48, temperature=1.0, seed=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}})
+    for choice in completion.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_json_object_and_streaming(server):
+    client = server.client()
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, temperature=0, stream=True,
+                                            response_format={"type": "json_object"})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert text == whole.choices[0].message.content
+    if whole.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert text.startswith("{")
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_choice": ["Paris", "Lyon", "Nice"]}, lambda t: t in ("Paris", "Lyon", "Nice")),
+    ({"guided_regex": r"[A-Z][a-z]{2,8}, [0-9]{4}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,8}, [0-9]{4}", t)),
+    ({"guided_grammar": 'root ::= "The answer is " ("yes" | "no") "."'},
+     lambda t: t in ("The answer is yes.", "The answer is no.")),
+    ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+     lambda t: json.dumps(json.loads(t)) == t),
+], ids=["choice", "regex", "grammar", "json", "structured_outputs"])
+def test_vllm_fields_on_completions(server, extra, check):
+    completion = server.client().completions.create(model=MODEL, prompt="The capital of France is", max_tokens=40,
+                                                    temperature=0.7, seed=1, n=2, extra_body=extra)
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop"
+        assert check(choice.text), choice.text
+
+
+def test_same_as_the_offline_api(server, offline):
+    got = server.client().completions.create(model=MODEL, prompt="A city:", max_tokens=40, temperature=0,
+                                             extra_body={"guided_json": SCHEMA})
+    want = offline.generate(["A city:"], SamplingParams(max_tokens=40, temperature=0.0,
+                                                        structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    assert got.choices[0].text == want[0].outputs[0].text
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "response_format", "cannot be compiled: Unsupported type"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "cannot be compiled"),
+    ({"guided_grammar": "root ::= nothing"}, "guided_grammar", "cannot be compiled"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex", "cannot be combined with guided_json"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice", "cannot be combined"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "not supported"),
+])
+def test_bad_constraints_are_400s_naming_the_field(server, body, param, message):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"].startswith(param) and message in error["message"], error
+    # The server goes on serving.
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 2},
+                      timeout=60).status_code == 200
+
+
+def test_response_format_text_is_no_constraint(server):
+    client = server.client()
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0)
+    text = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0,
+                                          response_format={"type": "text"})
+    assert text.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_langchain_with_structured_output(server):
+    """Before structured output, this failed with `Invalid JSON: ... 'The capital of France is Paris.'`."""
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="unused", temperature=0, max_tokens=80)
+    result = llm.with_structured_output(City, method="json_schema", include_raw=True).invoke("Tell me about Paris.")
+    assert result["parsing_error"] is None
+    assert isinstance(result["parsed"], City)
+    assert City.model_validate_json(result["raw"].content) == result["parsed"]
