@@ -1,15 +1,18 @@
 """Tool calling on /v1/chat/completions, over a real server on loopback with the real `openai`
 client (and LangChain's ChatOpenAI): tool_choice "required" and a named function, which a JSON
-schema enforces on any model, the embedded 135M one included; parallel_tool_calls; streaming
-deltas that the client adds up to the non-streaming answer; an agent's round trip (calls, then
-their results sent back); and the 400s."""
+schema enforces on any model, the embedded 135M one included; "auto" through the server's hermes
+parser (the model's output forced by a guided regex); parallel_tool_calls; streaming deltas that
+the client adds up to the non-streaming answer; an agent's round trip (calls, then their results
+sent back); and the 400s."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from server_harness import MODEL, Server, serve_engine
@@ -42,22 +45,6 @@ def tool_server(embedded_model, embedded_tokenizer) -> Iterator[Server]:
         yield server
 
 
-def conforms(value, schema: dict) -> bool:
-    """`value` against the JSON-schema subset these tools use (jsonschema is not a dependency)."""
-    if "enum" in schema and value not in schema["enum"]:
-        return False
-    kind = schema.get("type")
-    if kind == "object":
-        properties = schema.get("properties", {})
-        return (isinstance(value, dict) and set(schema.get("required", [])) <= set(value) <= set(properties)
-                and all(conforms(v, properties[k]) for k, v in value.items()))
-    if kind == "string":
-        return isinstance(value, str)
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    return kind is None
-
-
 def check_calls(message, tools=TOOLS) -> list:
     """Every call in OpenAI's shape, to one of `tools`, with arguments that follow its schema."""
     schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
@@ -65,7 +52,7 @@ def check_calls(message, tools=TOOLS) -> list:
     for call in message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_") and len(call.id) > len("call_")
         assert call.function.name in schemas
-        assert conforms(json.loads(call.function.arguments), schemas[call.function.name]), call.function.arguments
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     assert len({call.id for call in message.tool_calls}) == len(message.tool_calls)
     return message.tool_calls
 
@@ -167,14 +154,50 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(server):
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens < required.usage.prompt_tokens
 
 
+# The hermes format, with text before the calls: what a model that calls tools on its own writes.
+HERMES_OUTPUT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+                 '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
+
+
 def test_auto_reads_the_models_calls_with_the_servers_parser(tool_server):
-    """With tool_choice "auto" the 135M model answers in text here (it does not call tools on its
-    own): the answer is 200 with content and no calls. The parser's reading of calls is tested on
-    its own (test_tool_parsers.py)."""
-    response = tool_server.client().chat.completions.create(messages=ASK, tools=TOOLS, **GREEDY)
+    """The 135M model does not call tools on its own, so a guided regex makes it write exactly
+    HERMES_OUTPUT: tool_choice "auto" then goes through the server's hermes parser end to end,
+    answered and streamed alike."""
+    client = tool_server.client()
+    request = dict(messages=ASK, tools=TOOLS, tool_choice="auto", model=MODEL, max_tokens=100,
+                   extra_body={"structured_outputs": {"regex": re.escape(HERMES_OUTPUT)}})
+    answer = client.chat.completions.create(**request).choices[0]
+    assert answer.message.content == "Let me check." and answer.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in check_calls(answer.message)] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 2, "b": 3})]
+
+    chunks, final = streamed(client, **request)
+    assert final.choices[0].message.content == "Let me check."
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in answer.message.tool_calls]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    indexes = [d.index for c in chunks if c.choices and c.choices[0].delta.tool_calls
+               for d in c.choices[0].delta.tool_calls]
+    assert indexes[0] == 0 and sorted(set(indexes)) == [0, 1]
+
+    # parallel_tool_calls false: the first call only.
+    one = client.chat.completions.create(**request, parallel_tool_calls=False).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["get_weather"]
+
+
+def test_auto_output_that_is_not_a_call_is_content(tool_server):
+    """A malformed block (guided again, to be sure of the output) comes back as text, no calls."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>'
+    response = tool_server.client().chat.completions.create(
+        messages=ASK, tools=TOOLS, model=MODEL, max_tokens=60, extra_body={"guided_regex": re.escape(text)})
     choice = response.choices[0]
-    assert choice.message.tool_calls is None and choice.message.content
-    assert choice.finish_reason in ("stop", "length")
+    assert choice.message.content == text and choice.message.tool_calls is None and choice.finish_reason == "stop"
+
+
+def test_forced_tool_choice_and_another_constraint_are_a_400(server):
+    r = post(server, {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert "tool_choice" in r.json()["error"]["message"]
 
 
 def post(server, body: dict) -> httpx.Response:
