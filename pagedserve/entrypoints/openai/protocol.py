@@ -326,7 +326,16 @@ class HistoryFunctionCall(RequestModel):
             parsed = None
         if not isinstance(parsed, dict):
             raise PydanticCustomError("arguments", "must be the JSON text of an object, as a tool call returns it")
+        _check_json_unicode(parsed, "arguments")  # a "\ud800" escape inside the JSON text
         return arguments
+
+
+def _check_json_unicode(value: Any, what: str) -> None:
+    """The strings of a JSON value that goes into the prompt must be valid Unicode too."""
+    try:
+        check_unicode(json.dumps(value, ensure_ascii=False), what)
+    except ValueError as e:
+        raise PydanticCustomError("invalid_unicode", str(e)) from None
 
 
 class HistoryToolCall(RequestModel):
@@ -378,6 +387,7 @@ class FunctionDefinition(RequestModel):
     def _object_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
         if parameters is not None and parameters.get("type", "object") != "object":
             raise PydanticCustomError("parameters", 'must be a JSON schema of type "object" (arguments are an object)')
+        _check_json_unicode(parameters, "parameters")
         return parameters
 
     def parameters_schema(self) -> dict[str, Any]:
@@ -399,6 +409,19 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
+def _tool_choice_shape(value: Any) -> Any:
+    """One sentence for a tool_choice of the wrong shape, before the union answers with each member's
+    complaint."""
+    if value is None or isinstance(value, str) and value in ("none", "auto", "required"):
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(function, dict) \
+            and isinstance(function.get("name"), str):
+        return value
+    raise PydanticCustomError("tool_choice", 'must be "none", "auto", "required" or a function, '
+                              '{"type": "function", "function": {"name": "..."}}')
+
+
 def _distinct_names(tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
     names = [tool.function.name for tool in tools or []]
     twice = sorted({name for name in names if names.count(name) > 1})
@@ -415,7 +438,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Annotated[list[ToolDefinition], AfterValidator(_distinct_names)] | None = None
     # None: OpenAI's default, "auto" with tools and "none" without (resolved_tool_choice).
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
+                           BeforeValidator(_tool_choice_shape)] = None
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI
     # OpenAI's deprecated names for tools and tool_choice, whose answers use function_call, not tool_calls.
     functions: Annotated[Any, Refused([], hint="; use tools")] = None

@@ -201,8 +201,10 @@ def test_forced_tool_choice_and_another_constraint_are_a_400(server):
 
 
 def post(server, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 2,
-                                                                 **body}, timeout=60)
+    # ASCII JSON, as Python's json.dumps writes it: a lone surrogate travels as its escape.
+    content = json.dumps({"model": MODEL, "messages": ASK, "max_tokens": 2, **body})
+    return httpx.post(f"{server.url}/v1/chat/completions", content=content,
+                      headers={"content-type": "application/json"}, timeout=60)
 
 
 @pytest.mark.parametrize("body,param,message", [
@@ -219,7 +221,8 @@ def post(server, body: dict) -> httpx.Response:
     ({"tools": [ADD, ADD], "tool_choice": "required"}, "tools", "same name: add"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"type": "no-such-type"}}}}}], "tool_choice": "required"}, "tools", "cannot be compiled"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", 'must be "none", "auto", "required" or a function'),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}}, "tool_choice", "or a function"),
     ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls", "bool"),
     ({"functions": [ADD["function"]]}, "functions", "use tools"),
     ({"function_call": {"name": "add"}}, "function_call", "use tool_choice"),
@@ -230,6 +233,12 @@ def post(server, body: dict) -> httpx.Response:
     ({"messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "city=Paris"}}]}]}, "messages",
      "JSON text of an object"),
+    # A lone surrogate, escaped in JSON, would reach the tokenizer through the prompt.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"description": "\ud800"}}}],
+      "tool_choice": "required"}, "tools", "not valid Unicode"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}]}]}, "messages",
+     "not valid Unicode"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(server, body, param, message):
     r = post(server, body)
