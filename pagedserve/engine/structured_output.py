@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,9 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None  # reused from step to step: [rows, ceil(vocab / 32)] int32
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        # Time spent filling bitmasks, over the steps that had constrained rows (`bench structured`).
+        self.fill_seconds = 0.0
+        self.fill_steps = 0
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
@@ -113,11 +117,15 @@ class StructuredOutputManager:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
+        start = time.perf_counter()
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = xgr.allocate_token_bitmask(max(len(rows), 8), self.vocab_size)
         bitmask = self._bitmask[: len(rows)]
         self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask)
-        return torch.tensor(rows, dtype=torch.long, device=device), bitmask.to(device, copy=True)
+        result = torch.tensor(rows, dtype=torch.long, device=device), bitmask.to(device, copy=True)
+        self.fill_seconds += time.perf_counter() - start
+        self.fill_steps += 1
+        return result
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -206,8 +206,8 @@ def format_report(m: dict) -> str:
 
 
 def save_report(out_dir: str | None, name: str, table: str, draw, json_path: str | None, data) -> None:
-    """A bench's outputs: `table` as OUT_DIR/NAME.md and draw(OUT_DIR/NAME.png) when out_dir is
-    given; `data` as JSON at json_path when given."""
+    """A bench's outputs: `table` as OUT_DIR/NAME.md and draw(OUT_DIR/NAME.png) (unless draw is
+    None) when out_dir is given; `data` as JSON at json_path when given."""
     if out_dir:
         import os
 
@@ -215,8 +215,11 @@ def save_report(out_dir: str | None, name: str, table: str, draw, json_path: str
         stem = os.path.join(out_dir, name)
         with open(stem + ".md", "w") as f:
             f.write(table + "\n")
-        draw(stem + ".png")
-        print(f"wrote {stem}.md and {stem}.png")
+        if draw is None:
+            print(f"wrote {stem}.md")
+        else:
+            draw(stem + ".png")
+            print(f"wrote {stem}.md and {stem}.png")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(data, f, indent=2)
@@ -264,6 +267,15 @@ def cmd_bench_prefix(args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def cmd_bench_structured(args: argparse.Namespace) -> None:
+    from pagedserve.bench.structured import format_table, run_structured_bench
+
+    report = run_structured_bench(num_requests=args.num_requests, max_tokens=args.max_tokens, reps=args.reps)
+    table = format_table(report)
+    print(table)
+    save_report(args.out_dir, "bench_structured", table, None, args.json, report)
 
 
 def cmd_bench_profile(args: argparse.Namespace) -> None:
@@ -428,6 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--reps", type=int, default=1)
     pre.add_argument("--json", default=None)
     pre.set_defaults(func=cmd_bench_prefix)
+
+    so = bench.add_parser("structured", help="JSON-schema-constrained requests vs the same work unconstrained")
+    so.add_argument("--num-requests", type=int, default=64)
+    so.add_argument("--max-tokens", type=int, default=160)
+    so.add_argument("--reps", type=int, default=1)
+    so.add_argument("--out-dir", default=None, help="write bench_structured.md here")
+    so.add_argument("--json", default=None)
+    so.set_defaults(func=cmd_bench_structured)
 
     prof = bench.add_parser("profile", help="a decode step's time by part, and decode speed vs the matmul ceiling")
     prof.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
