@@ -181,7 +181,8 @@ class OpenAIServingChat(OpenAIServing):
         async with aclosing(outputs):
             try:
                 for o in first.outputs:  # OpenAI opens each choice with the role (content null when it may call tools)
-                    role = DeltaMessage(role="assistant", content="" if isinstance(calls[o.index], PlainStream) else None)
+                    plain = isinstance(calls[o.index], PlainStream)
+                    role = DeltaMessage(role="assistant", content="" if plain else None)
                     yield chunk([ChatCompletionStreamChoice(index=o.index, delta=role)])
                 for c in chunks(first):
                     yield c

@@ -92,7 +92,8 @@ def test_streamed_calls_add_up_to_the_same_calls_as_the_answer(server):
     assert deltas[0].role == "assistant" and deltas[0].content is None
     call_deltas = [d.tool_calls[0] for d in deltas if d.tool_calls]
     first = call_deltas[0]  # a call opens with its id, type and name, and empty arguments
-    assert (first.index, first.type, first.function.name, first.function.arguments) == (0, "function", "get_weather", "")
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+    assert first.function.arguments == ""
     assert first.id.startswith("call_")
     assert all(d.id is None and d.function.name is None for d in call_deltas[1:] if d.index == 0)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
@@ -155,7 +156,8 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(server):
 
 
 # The hermes format, with text before the calls: what a model that calls tools on its own writes.
-HERMES_OUTPUT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+HERMES_OUTPUT = ('Let me check.\n<tool_call>\n'
+                 '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
                  '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
 
 
@@ -252,7 +254,8 @@ def test_auto_without_the_servers_flags_is_a_400_saying_which_flags(server):
         r = post(server, body)
         assert r.status_code == 400
         error = r.json()["error"]
-        assert error["param"] == "tool_choice" and "--enable-auto-tool-choice and --tool-call-parser" in error["message"]
+        assert error["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice and --tool-call-parser" in error["message"]
     # Without tools, "auto" and "none" mean no tool call, as before.
     assert post(server, {"tool_choice": "auto"}).status_code == post(server, {"tools": []}).status_code == 200
 
@@ -280,7 +283,8 @@ def test_langchain_binds_a_tool_forces_it_and_sends_the_result_back(tool_server)
     messages = [HumanMessage("What is the weather in Paris?")]
     ai = forced.invoke(messages)
     [call] = ai.tool_calls
-    assert call["name"] == "get_weather" and isinstance(call["args"].get("city"), str) and call["id"].startswith("call_")
+    assert call["name"] == "get_weather" and isinstance(call["args"].get("city"), str)
+    assert call["id"].startswith("call_")
     messages += [ai, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
     answer = llm.bind_tools([get_weather]).invoke(messages)  # tool_choice left to the server: "auto"
     assert isinstance(answer.content, str) and (answer.content or answer.tool_calls)

@@ -16,8 +16,9 @@ from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from pagedserve.entrypoints.openai.tool_prompt import template_renders_tools
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 ARGS = '{"city": "Paris"}'
 HISTORY = [
     {"role": "user", "content": "Weather in Paris and Rome?"},
@@ -32,7 +33,8 @@ HISTORY = [
 TOOL_TEMPLATE = (
     "{% if tools %}[tools]{{ tools | tojson }}{{ '\\n' }}{% endif %}"
     "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}[call {{ c.id }}]{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.id }}]{{ c.function.name }}{{ c.function.arguments | tojson }}"
+    "{% endfor %}"
     "{% if m.role == 'tool' %}[result of {{ m.tool_call_id }} {{ m.name }}]{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}[assistant]{% endif %}")
 
