@@ -161,12 +161,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def server_kwargs(args: argparse.Namespace) -> dict:
     """run_server's keyword arguments from `serve`'s flags. Raises ValueError for a bad
-    --override-generation-config."""
+    --override-generation-config, and for --enable-auto-tool-choice without a parser (before the
+    engine loads)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     return dict(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                 timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
                 body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
                 max_body_bytes=args.max_body_bytes, engine_core=args.engine_core,
-                default_max_tokens=generation_config_max_tokens(args.override_generation_config))
+                default_max_tokens=generation_config_max_tokens(args.override_generation_config),
+                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def generation_config_max_tokens(override: str | None) -> int | None:
@@ -331,6 +335,8 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS  # plain Python: --help stays quick
+
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -376,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-core", choices=("process", "thread"), default="process",
                        help="where the engine core runs: its own process, fed over ZMQ while this one does HTTP, "
                        "tokenization and detokenization (default); or a thread of this process")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="vLLM's flag: tool_choice \"auto\" (the default with tools), the model's calls read by "
+                       "--tool-call-parser (\"required\" and a named function work without it)")
+    serve.add_argument("--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
+                       help="vLLM's flag: the format of the model's tool calls, and the one tools are described in "
+                       "when the chat template does not render them (default: hermes)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

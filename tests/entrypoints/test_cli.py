@@ -87,10 +87,22 @@ def test_serve_flags_reach_run_server():
     assert defaults == {name: params[name].default for name in defaults}  # the flags' defaults are run_server's
     args = build_parser().parse_args([
         "serve", "--timeout-keep-alive", "2", "--header-timeout", "3", "--body-timeout", "4", "--shutdown-timeout",
-        "6", "--max-body-bytes", "1000", "--override-generation-config", '{"max_new_tokens": 64}'])
+        "6", "--max-body-bytes", "1000", "--override-generation-config", '{"max_new_tokens": 64}',
+        "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
     assert server_kwargs(args) == defaults | {
         "timeout_keep_alive": 2.0, "header_timeout": 3.0, "body_timeout": 4.0, "shutdown_timeout": 6.0,
-        "max_body_bytes": 1000, "default_max_tokens": 64}
+        "max_body_bytes": 1000, "default_max_tokens": 64, "enable_auto_tool_choice": True,
+        "tool_call_parser": "llama3_json"}
+
+
+def test_auto_tool_choice_without_a_parser_is_refused_before_the_engine_loads(capsys):
+    from pagedserve.entrypoints.cli import server_kwargs
+
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        server_kwargs(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("override", ['{"max_new_tokens": 0}', '{"temperature": 0.5}', "[1]", "{not json",

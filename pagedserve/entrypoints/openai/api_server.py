@@ -75,14 +75,16 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, *,
               max_body_bytes: int | None = None, body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
-              default_max_tokens: int | None = None) -> FastAPI:
+              default_max_tokens: int | None = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """An app serving a started engine. The caller owns the engine (start and shutdown).
 
     max_body_bytes: the largest request body (default: what the longest prompt that can fit the
     context needs, limits.default_max_body_bytes); body_timeout: seconds a request's body may take
     to arrive; default_max_tokens: max_tokens for a request that sets none (vLLM's max_new_tokens
-    generation setting; default: up to the context limit for chat, 16 for completions). The app's
-    drain (app.state.drain) is driven by http_server.GracefulServer."""
+    generation setting; default: up to the context limit for chat, 16 for completions);
+    enable_auto_tool_choice and tool_call_parser: vLLM's tool-calling settings (serving_chat). The
+    app's drain (app.state.drain) is driven by http_server.GracefulServer."""
     bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(bound and bound.max_chars)
@@ -99,7 +101,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     metrics = ServerMetrics(engine, served_model_name)
     shared = dict(executor=executor, prompt_bound=bound, default_max_tokens=default_max_tokens, drain=drain)
     completions = OpenAIServingCompletion(engine, served_model_name, **shared)
-    chat = OpenAIServingChat(engine, served_model_name, **shared)
+    chat = OpenAIServingChat(engine, served_model_name, **shared, enable_auto_tool_choice=enable_auto_tool_choice,
+                             tool_call_parser=tool_call_parser)
     auth = (401,) if api_key else ()
     v1 = APIRouter(prefix="/v1")
 
@@ -240,7 +243,8 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
                shutdown_timeout: float = http_server.DEFAULT_SHUTDOWN_TIMEOUT,
                max_body_bytes: int | None = None, default_max_tokens: int | None = None,
-               engine_core: str = "process") -> None:
+               engine_core: str = "process", enable_auto_tool_choice: bool = False,
+               tool_call_parser: str | None = None) -> None:
     """Serve until SIGTERM or SIGINT, which drain the server (http_server.GracefulServer) before it
     exits; a second signal exits at once. engine_core: "process" runs the core in a process of its
     own (`AsyncLLM`), "thread" in a thread of this one (`AsyncLLMEngine`)."""
@@ -249,7 +253,8 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     engine.start()
     try:
         app = build_app(engine, name, api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
-                        default_max_tokens=default_max_tokens)
+                        default_max_tokens=default_max_tokens, enable_auto_tool_choice=enable_auto_tool_choice,
+                        tool_call_parser=tool_call_parser)
         server = http_server.make_server(app, host=host, port=port, timeout_keep_alive=timeout_keep_alive,
                                          header_timeout=header_timeout, shutdown_timeout=shutdown_timeout)
         server.run()

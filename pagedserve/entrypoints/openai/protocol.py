@@ -5,8 +5,8 @@ not 5). Every field is honoured or refused:
 - the fields declared here are honoured, including ones that change nothing in a single-model
   server's output (`user`, `metadata`, `store`, `service_tier`);
 - fields of OpenAI's or vLLM's API that would change the output and that pagedserve does not
-  implement (`Unsupported` below: `suffix`, `tools`, `response_format`, `guided_json`, ...) are a
-  400 naming the field, unless they carry their neutral value (null, `{"type": "text"}`, ...);
+  implement (`Refused` below: `suffix`, `prompt_logprobs`, `functions`, ...) are a 400 naming
+  the field, unless they carry their neutral value (null, `""`, `[]`, ...);
 - a field no API defines is ignored with a warning in the log, as vLLM does (clients add their
   own; refusing them breaks clients that work against OpenAI's servers).
 Ranges follow OpenAI's documentation; vLLM's extra sampling fields (top_k, min_p, ...) are
@@ -92,14 +92,15 @@ def _valid_unicode(value: Any, info: ValidationInfo) -> Any:
 ValidUnicode = AfterValidator(_valid_unicode)
 
 
-def Refused(*neutral: Any) -> AfterValidator:
+def Refused(*neutral: Any, hint: str = "") -> AfterValidator:
     """For a field pagedserve knows but does not implement: a 400 naming it, unless its value is
-    null or one of `neutral` (values that mean what the field's absence means)."""
+    null or one of `neutral` (values that mean what the field's absence means). `hint` ends the
+    message (what to use instead)."""
     def check(value: Any) -> Any:
         if value is not None and value not in neutral:
             alternatives = f", or set it to {' or '.join(json.dumps(v) for v in neutral)}" if neutral else ""
             raise PydanticCustomError("unsupported_field",
-                                      f"not supported by this server (leave it out or null{alternatives})")
+                                      f"not supported by this server (leave it out or null{alternatives}){hint}")
         return value
 
     return AfterValidator(check)
@@ -312,15 +313,121 @@ def _text_parts_only(content: Any) -> Any:
     return content
 
 
+class HistoryFunctionCall(RequestModel):
+    name: Annotated[str, ValidUnicode]
+    arguments: Annotated[str, ValidUnicode]  # JSON text of an object, as OpenAI returns it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise PydanticCustomError("arguments", "must be the JSON text of an object, as a tool call returns it")
+        _check_json_unicode(parsed, "arguments")  # a "\ud800" escape inside the JSON text
+        return arguments
+
+
+def _check_json_unicode(value: Any, what: str) -> None:
+    """The strings of a JSON value that goes into the prompt must be valid Unicode too."""
+    try:
+        check_unicode(json.dumps(value, ensure_ascii=False), what)
+    except ValueError as e:
+        raise PydanticCustomError("invalid_unicode", str(e)) from None
+
+
+class HistoryToolCall(RequestModel):
+    """A tool call of an assistant message in the conversation (one the server returned earlier)."""
+
+    id: Annotated[str, ValidUnicode]
+    type: Literal["function"] = "function"
+    function: HistoryFunctionCall
+
+
 class ChatMessage(RequestModel):
-    # "developer" is OpenAI's newer name for "system" (templates know "system" only).
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str | list[TextContentPart], BeforeValidator(_text_parts_only), ValidUnicode]
+    # "developer" is OpenAI's newer name for "system" (templates know "system" only); "tool" carries
+    # a tool's result, for the call `tool_call_id` names.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | list[TextContentPart], BeforeValidator(_text_parts_only), ValidUnicode] | None = None
+    tool_calls: list[HistoryToolCall] | None = None  # assistant messages only
+    tool_call_id: Annotated[str, ValidUnicode] | None = None  # tool messages only, and required there
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", "content is required, unless an assistant message has tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "tool_calls belong in assistant messages only")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError("tool_call_id", "a tool message needs a tool_call_id, and only a tool message "
+                                      "has one")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+# ---- tools ---------------------------------------------------------------------------------------
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: Annotated[str, ValidUnicode] | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise PydanticCustomError("parameters", 'must be a JSON schema of type "object" (arguments are an object)')
+        _check_json_unicode(parameters, "parameters")
+        return parameters
+
+    def parameters_schema(self) -> dict[str, Any]:
+        """The arguments' JSON schema: always of an object (no parameters: an empty one)."""
+        return {"type": "object", **self.parameters} if self.parameters else {"type": "object", "properties": {}}
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _tool_choice_shape(value: Any) -> Any:
+    """One sentence for a tool_choice of the wrong shape, before the union answers with each member's
+    complaint."""
+    if value is None or isinstance(value, str) and value in ("none", "auto", "required"):
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(function, dict) \
+            and isinstance(function.get("name"), str):
+        return value
+    raise PydanticCustomError("tool_choice", 'must be "none", "auto", "required" or a function, '
+                              '{"type": "function", "function": {"name": "..."}}')
+
+
+def _distinct_names(tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+    names = [tool.function.name for tool in tools or []]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise PydanticCustomError("tools", "two tools have the same name: {names}", {"names": ", ".join(twice)})
+    return tools
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -329,11 +436,14 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Annotated[Any, Refused([])] = None
-    tool_choice: Annotated[Any, Refused("none", "auto")] = None  # without tools, both mean no tool
-    parallel_tool_calls: Annotated[Any, Refused(True, False)] = None
-    functions: Annotated[Any, Refused([])] = None
-    function_call: Annotated[Any, Refused("none", "auto")] = None
+    tools: Annotated[list[ToolDefinition], AfterValidator(_distinct_names)] | None = None
+    # None: OpenAI's default, "auto" with tools and "none" without (resolved_tool_choice).
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
+                           BeforeValidator(_tool_choice_shape)] = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
+    # OpenAI's deprecated names for tools and tool_choice, whose answers use function_call, not tool_calls.
+    functions: Annotated[Any, Refused([], hint="; use tools")] = None
+    function_call: Annotated[Any, Refused("none", "auto", hint="; use tool_choice")] = None
     modalities: Annotated[Any, Refused(["text"])] = None
     audio: Annotated[Any, Refused()] = None
     prediction: Annotated[Any, Refused()] = None
@@ -344,6 +454,61 @@ class ChatCompletionRequest(SamplingRequest):
     documents: Annotated[Any, Refused()] = None
     add_generation_prompt: Annotated[Any, Refused(True)] = None
     continue_final_message: Annotated[Any, Refused(False)] = None
+
+    def resolved_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        """tool_choice with OpenAI's default filled in: "auto" when there are tools, else "none"."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    def check_tool_choice(self) -> None:
+        """ParameterError, naming the field, when the tools cannot serve tool_choice."""
+        choice = self.resolved_tool_choice()
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            if not any(tool.function.name == name for tool in self.tools or []):
+                raise ParameterError("tool_choice", f"tool_choice names the function {name!r}, which is not among "
+                                     "the tools")
+        elif choice == "required" and not self.tools:
+            raise ParameterError("tool_choice", 'tool_choice "required" needs tools')
+        elif choice == "auto":
+            # Only a constraint makes the arguments follow the schema, and "auto" has none.
+            strict = [tool.function.name for tool in self.tools or [] if tool.function.strict]
+            if strict:
+                raise ParameterError("tools", f"strict is true for {', '.join(strict)}, which this server "
+                                     'enforces only with tool_choice "required" or a named function')
+
+    def tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema that tool_choice "required" or a named function puts on the output (as
+        vLLM's): a named function's arguments; for "required", an array of calls
+        `{"name": ..., "parameters": {...}}`, one call at most when parallel_tool_calls is false."""
+        choice = self.resolved_tool_choice()
+        if isinstance(choice, NamedToolChoice):
+            return next(tool.function.parameters_schema() for tool in self.tools
+                        if tool.function.name == choice.function.name)
+        if choice != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                                   "parameters": tool.function.parameters_schema()},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for tool in self.tools]
+        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's constraint, or the tools' for tool_choice "required" or a named function
+        (one constraint at most: both are a 400). The tools' JSON has no optional whitespace:
+        arguments come back compact."""
+        schema = self.tool_schema()
+        if schema is None:
+            return super().structured_outputs_params()
+        field = self.structured_output_field()
+        if field is not None:
+            raise ParameterError(field, f'{field} cannot be combined with tool_choice "required" or a named function: '
+                                 "the tools constrain the output already")
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 class TokenizeRequest(RequestModel):
@@ -444,9 +609,21 @@ class ChatCompletionLogProbs(ResponseModel):
     content: list[ChatCompletionLogProb] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the message is tool calls alone, as OpenAI's
+    tool_calls: list[ToolCall] | None = _omit_none()
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -465,9 +642,24 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = _omit_none()
+    arguments: str | None = _omit_none()  # a fragment: the fragments of a call add up to its arguments
+
+
+class DeltaToolCall(ResponseModel):
+    """A call's first delta has its id, type and name (arguments ""); the next ones only arguments."""
+
+    index: int
+    id: str | None = _omit_none()
+    type: Literal["function"] | None = _omit_none()
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = _omit_none()
     content: str | None = _omit_none()
+    tool_calls: list[DeltaToolCall] | None = _omit_none()
 
 
 class ChatCompletionStreamChoice(ResponseModel):

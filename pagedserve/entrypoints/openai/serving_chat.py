@@ -3,33 +3,63 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
+from pagedserve.engine.structured_output import check_grammar
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionRequest,
-    ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage, DeltaMessage, TopLogprob,
-    UsageInfo,
+    ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage, DeltaFunctionCall,
+    DeltaMessage, DeltaToolCall, FunctionCall, NamedToolChoice, ToolCall, TopLogprob, UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
     SSE_DONE, APIError, OpenAIServing, Prompt, StreamState, bad_request, random_id, sse,
 )
+from pagedserve.entrypoints.openai.tool_parsers import (
+    CallArguments, CallStart, CallStream, Event, FirstCallOnly, HermesToolParser, NamedCallStream, PlainStream,
+    RequiredCallsStream, Text, collect, get_tool_parser,
+)
+from pagedserve.entrypoints.openai.tool_prompt import chat_turns, template_renders_tools
 from pagedserve.outputs import Logprob, RequestOutput, SampleLogprobs
+from pagedserve.sampling_params import ParameterError, StructuredOutputsParams
+
+AUTO_TOOL_CHOICE_OFF = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                        '(start the server with them, or set tool_choice to "required", "none" or a named function)')
 
 
 class OpenAIServingChat(OpenAIServing):
+    """Chat completions, tool calls included. tool_call_parser (`hermes`, `llama3_json`) reads the
+    calls of tool_choice "auto", which enable_auto_tool_choice turns on (vLLM's flags);
+    "required" and a named function need neither: a JSON schema constrains the output."""
+
+    def __init__(self, *args, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        # For a template that does not render tools, the server writes them and past calls in this format.
+        self.call_format = self.tool_parser or HermesToolParser()
+        self.template_renders_tools = template_renders_tools(self.engine.tokenizer)
+
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        self.check_tools(request)
         # Before any template or tokenization: messages whose text cannot fit cost nothing. A
         # template puts each message's content into the prompt, at most trimmed of surrounding
         # whitespace (Llama 3's trims), so the stripped lengths are what the prompt holds at least.
         await self.check_prompt_chars([m.text().strip() for m in request.messages], "messages")
-        prompt = await self.run_blocking(self.chat_prompt, request.messages)
+        # tool_choice "none": the tools stay out of the prompt, so the model is not asked to call them.
+        tools = ([tool.model_dump(exclude_none=True) for tool in request.tools]
+                 if request.tools and request.resolved_tool_choice() != "none" else None)
+        prompt = await self.run_blocking(self.chat_prompt, request.messages, True, tools)
         num_prompt_tokens = len(prompt[1])
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_context(num_prompt_tokens, max_tokens, "messages")
@@ -46,19 +76,56 @@ class OpenAIServingChat(OpenAIServing):
         async with aclosing(outputs):
             async for _, output in outputs:  # outputs are cumulative: the last one is the answer
                 pass
-        choices = [ChatCompletionChoice(index=o.index, message=ChatResponseMessage(content=o.text),
-                                        finish_reason=o.finish_reason,
-                                        logprobs=self._logprobs(request, o.token_ids, o.logprobs))
-                   for o in output.outputs]
+        choices = []
+        for o in output.outputs:
+            # The same events a stream sends, added up: both answers always carry the same calls.
+            calls = self.call_stream(request)
+            content, tool_calls = collect(calls.feed(o.text, final=True))
+            message = ChatResponseMessage(
+                content=content if content is not None or tool_calls else "",
+                tool_calls=[ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                            for c in tool_calls] or None)
+            choices.append(ChatCompletionChoice(index=o.index, message=message,
+                                                finish_reason=calls.finish_reason(o.finish_reason),
+                                                logprobs=self._logprobs(request, o.token_ids, o.logprobs)))
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=_usage(output))
         return JSONResponse(response.model_dump())
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
-        """The conversation's prompt text (the chat template's) and token ids. Runs on the executor."""
-        tokenizer = self.engine.tokenizer
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    def check_tools(self, request: ChatCompletionRequest) -> None:
+        """A 400 naming the field for a tool_choice the tools or the server cannot serve."""
         try:
-            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+            request.check_tool_choice()
+            schema = request.tool_schema()
+            if schema is not None:  # a schema xgrammar cannot compile is the tools' fault
+                check_grammar(StructuredOutputsParams(json=schema))
+        except ParameterError as e:
+            param = e.param if e.param != "structured_outputs" else "tools"
+            raise bad_request(str(e).replace("structured_outputs", "tools", 1), param) from e
+        if request.resolved_tool_choice() == "auto" and request.tools and not self.enable_auto_tool_choice:
+            raise bad_request(AUTO_TOOL_CHOICE_OFF, "tool_choice")
+
+    def call_stream(self, request: ChatCompletionRequest) -> CallStream:
+        """What reads one choice's output: content only, or content and tool calls."""
+        choice = request.resolved_tool_choice()
+        if isinstance(choice, NamedToolChoice):
+            return NamedCallStream(choice.function.name)
+        if choice == "required":
+            return RequiredCallsStream()
+        if choice == "auto" and request.tools:
+            calls = self.tool_parser.stream()
+            return FirstCallOnly(calls) if request.parallel_tool_calls is False else calls
+        return PlainStream()
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> Prompt:
+        """The conversation's prompt text (the chat template's) and token ids, with `tools` (OpenAI's
+        tool objects) described in it. Runs on the executor."""
+        tokenizer = self.engine.tokenizer
+        native = self.template_renders_tools
+        turns = chat_turns(messages, tools, self.call_format, native)
+        try:
+            text = tokenizer.apply_chat_template(turns, tools=tools if native else None, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
         except Exception as e:  # the template rejects this conversation (e.g. roles out of order)
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
         return text, tokenizer.encode(text, add_special_tokens=False)  # as LLM.chat does
@@ -84,6 +151,8 @@ class OpenAIServingChat(OpenAIServing):
                       outputs: AsyncIterator[tuple[int, RequestOutput]]):
         created = int(time.time())
         states = [StreamState() for _ in first.outputs]
+        calls = [self.call_stream(request) for _ in first.outputs]
+        call_ids: list[list[str]] = [[] for _ in first.outputs]
         final = first
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -95,17 +164,26 @@ class OpenAIServingChat(OpenAIServing):
                 new = states[o.index].advance(o)
                 if new is None:
                     continue
-                text, tokens = new
-                delta = DeltaMessage(content=text) if text else DeltaMessage()
+                _, tokens = new
+                finished = o.finish_reason is not None
+                deltas = _deltas(calls[o.index].feed(o.text, finished), call_ids[o.index])
                 logprobs = self._logprobs(request, o.token_ids[tokens], o.logprobs[tokens] if o.logprobs else None)
-                yield chunk([ChatCompletionStreamChoice(index=o.index, delta=delta, logprobs=logprobs,
-                                                        finish_reason=o.finish_reason)])
+                if not deltas:  # text held back (it may start a call): the chunk carries logprobs or the end only
+                    if logprobs is None and not finished:
+                        continue
+                    deltas = [DeltaMessage()]
+                for j, delta in enumerate(deltas):
+                    last = j == len(deltas) - 1
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=o.index, delta=delta, logprobs=logprobs if j == 0 else None,
+                        finish_reason=calls[o.index].finish_reason(o.finish_reason) if last else None)])
 
         async with aclosing(outputs):
             try:
-                for o in first.outputs:  # OpenAI opens each choice with the role
-                    yield chunk([ChatCompletionStreamChoice(index=o.index,
-                                                            delta=DeltaMessage(role="assistant", content=""))])
+                for o in first.outputs:  # OpenAI opens each choice with the role (content null when it may call tools)
+                    plain = isinstance(calls[o.index], PlainStream)
+                    role = DeltaMessage(role="assistant", content="" if plain else None)
+                    yield chunk([ChatCompletionStreamChoice(index=o.index, delta=role)])
                 for c in chunks(first):
                     yield c
                 async for _, final in outputs:
@@ -116,6 +194,28 @@ class OpenAIServingChat(OpenAIServing):
             except APIError as e:  # the status is sent already: the error goes in the stream
                 yield sse(e.body)
         yield SSE_DONE
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"  # OpenAI's form
+
+
+def _deltas(events: list[Event], ids: list[str]) -> list[DeltaMessage]:
+    """One delta per event, in OpenAI's shape; `ids` holds the choice's call ids (a call's first
+    delta gets a new one)."""
+    deltas = []
+    for event in events:
+        if isinstance(event, Text):
+            deltas.append(DeltaMessage(content=event.text))
+        elif isinstance(event, CallStart):
+            ids.append(_call_id())
+            deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=event.index, id=ids[event.index], type="function",
+                function=DeltaFunctionCall(name=event.name, arguments=""))]))
+        elif isinstance(event, CallArguments) and event.text:
+            deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=event.index,
+                                                                 function=DeltaFunctionCall(arguments=event.text))]))
+    return deltas
 
 
 def _usage(output: RequestOutput) -> UsageInfo:

@@ -23,8 +23,8 @@ REFUSED = [
     ("completions", "prompt_logprobs", 1, None),
     ("completions", "use_beam_search", True, False),
     ("completions", "add_special_tokens", False, True),
-    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
-    ("chat/completions", "tool_choice", "required", "none"),
+    ("chat/completions", "functions", [{"name": "f", "parameters": {}}], []),
+    ("chat/completions", "function_call", {"name": "f"}, "none"),
     ("chat/completions", "chat_template_kwargs", {"enable_thinking": True}, None),
     ("chat/completions", "modalities", ["text", "audio"], ["text"]),
 ]

@@ -56,3 +56,41 @@ def test_sampling_fields_reach_the_sampling_params():
     with pytest.raises(ValueError, match="min_tokens"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}],
                                               "min_tokens": 5}).to_sampling_params(4, None)
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}  # "type": "object" left implicit
+
+
+def test_tool_choice_defaults_as_openai_auto_with_tools_and_none_without():
+    assert _chat().resolved_tool_choice() == "none"
+    assert _chat(tools=[]).resolved_tool_choice() == "none"
+    assert _chat(tools=[NOW]).resolved_tool_choice() == "auto"
+    assert _chat(tools=[NOW], tool_choice="none").resolved_tool_choice() == "none"
+    assert _chat(tools=[NOW]).to_sampling_params(8, None).structured_outputs is None  # "auto" constrains nothing
+
+
+def test_a_named_function_constrains_the_output_to_its_arguments():
+    params = _chat(tools=[NOW, ADD], tool_choice={"type": "function", "function": {"name": "add"}}).to_sampling_params(
+        8, None).structured_outputs
+    assert params.json == {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert params.disable_any_whitespace
+    now = _chat(tools=[NOW], tool_choice={"type": "function", "function": {"name": "now"}}).tool_schema()
+    assert now == {"type": "object", "properties": {}}  # no parameters: an empty object, never any JSON
+
+
+def test_required_constrains_the_output_to_an_array_of_calls_one_when_not_parallel():
+    def call(name, parameters):
+        return {"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+                "required": ["name", "parameters"], "additionalProperties": False}
+
+    schema = _chat(tools=[NOW, ADD], tool_choice="required").tool_schema()
+    assert schema == {"type": "array", "minItems": 1, "items": {"anyOf": [
+        call("now", {"type": "object", "properties": {}}),
+        call("add", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})]}}
+    assert _chat(tools=[NOW], tool_choice="required", parallel_tool_calls=False).tool_schema()["maxItems"] == 1
