@@ -326,19 +326,25 @@ def packed_bitmask(allowed: list[set[int]], vocab: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_grammar_bitmask_constrains_its_rows_only(temperature):
+@pytest.mark.parametrize("constrained", [[1], [0, 1, 2]], ids=["one_row", "every_row"])
+def test_grammar_bitmask_constrains_its_rows_only(temperature, constrained):
     logits = rand_logits(3, 100, seed=4)
+    untouched = logits.clone()
     allowed = {5, 17, 96}
-    mask = (torch.tensor([1]), packed_bitmask([allowed], 100))
+    mask = (torch.tensor(constrained), packed_bitmask([allowed] * len(constrained), 100))
     params = [SamplingParams(temperature=temperature, logprobs=2, seed=i) for i in range(3)]
     free = Sampler(seed=0)(logits, build(params, generators=[torch.Generator().manual_seed(i) for i in range(3)]))
     batch = build(params, generators=[torch.Generator().manual_seed(i) for i in range(3)])
     batch.grammar_bitmask = mask
     out = Sampler(seed=0)(logits, batch)
-    assert out.token_ids[1] in allowed
-    if temperature == 0.0:
-        assert out.token_ids[1] == max(allowed, key=lambda t: logits[1, t])
-    # The other rows draw as they would without the constrained one; logprobs stay raw.
-    assert [out.token_ids[0], out.token_ids[2]] == [free.token_ids[0], free.token_ids[2]]
-    assert out.top_logprobs[1] == free.top_logprobs[1]
-    assert out.logprobs[1] == pytest.approx(logits[1].log_softmax(-1)[out.token_ids[1]].item(), abs=1e-5)
+    assert torch.equal(logits, untouched)
+    for row in range(3):
+        if row in constrained:
+            assert out.token_ids[row] in allowed
+            if temperature == 0.0:
+                assert out.token_ids[row] == max(allowed, key=lambda t: logits[row, t])
+        else:  # drawn as it would be without the constrained rows
+            assert out.token_ids[row] == free.token_ids[row]
+        # Logprobs stay the model's own.
+        assert out.top_logprobs[row] == free.top_logprobs[row]
+        assert out.logprobs[row] == pytest.approx(logits[row].log_softmax(-1)[out.token_ids[row]].item(), abs=1e-5)
