@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from pagedserve.engine.core_messages import TokenLogprobs
     from pagedserve.sampling_params import SamplingParams
 
 
@@ -54,6 +55,11 @@ class Request:
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        # The prompt logprobs gathered so far (entry p scores prompt token p + 1) while they are
+        # owed: the first sample of a request that asks (forks share its prompt), until the core
+        # sends them with its first token. None otherwise.
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            [] if sampling_params.prompt_logprobs is not None and sample_index == 0 else None)
 
     @property
     def num_tokens(self) -> int:
