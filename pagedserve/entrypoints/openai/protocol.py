@@ -144,7 +144,6 @@ class SamplingRequest(RequestModel):
     guided_choice: Annotated[Any, Refused()] = None
     guided_grammar: Annotated[Any, Refused()] = None
     guided_decoding_backend: Annotated[Any, Refused()] = None
-    prompt_logprobs: Annotated[Any, Refused()] = None
     allowed_token_ids: Annotated[Any, Refused()] = None
     bad_words: Annotated[Any, Refused()] = None
     truncate_prompt_tokens: Annotated[Any, Refused()] = None
@@ -156,7 +155,8 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams' defaults stand in for nulls. Raises ValueError naming the parameter
         when the combination is invalid (e.g. min_tokens > max_tokens)."""
         names = ["n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -165,7 +165,7 @@ class SamplingRequest(RequestModel):
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.logit_bias is not None:
             given["logit_bias"] = _token_keyed(self.logit_bias)
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given)
 
 
 def _token_keyed(logit_bias: dict[str, float]) -> dict[int, float]:
@@ -182,9 +182,10 @@ def _token_keyed(logit_bias: dict[str, float]) -> dict[int, float]:
 class CompletionRequest(SamplingRequest):
     # Text, a list of texts, token ids, or a list of token id lists.
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], ValidUnicode]
-    max_tokens: int | None = Field(16, ge=1)  # null: 16 too
+    max_tokens: int | None = Field(16, ge=0)  # null: 16 too; 0 only with echo (the prompt alone, scored)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: choices[].prompt_logprobs
     suffix: Annotated[Any, Refused("")] = None
     best_of: int | None = Field(None, ge=1)  # honoured when it equals n (every sample is returned)
     add_special_tokens: Annotated[Any, Refused(True)] = None
@@ -262,6 +263,7 @@ class ChatCompletionRequest(SamplingRequest):
     documents: Annotated[Any, Refused()] = None
     add_generation_prompt: Annotated[Any, Refused(True)] = None
     continue_final_message: Annotated[Any, Refused(False)] = None
+    prompt_logprobs: Annotated[Any, Refused()] = None  # vLLM's; honoured on /v1/completions
 
 
 class TokenizeRequest(RequestModel):
@@ -332,11 +334,21 @@ class CompletionLogProbs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's Logprob, as its prompt_logprobs carry it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    # vLLM's, when prompt_logprobs is asked for: None for the first prompt token, then token id -> logprob.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = _omit_none()
 
 
 class CompletionResponse(ResponseModel):

@@ -19,7 +19,6 @@ REFUSED = [
     ("completions", "suffix", " and Paris.", ""),
     ("completions", "best_of", 3, 1),
     ("completions", "guided_json", {"type": "object"}, None),
-    ("completions", "prompt_logprobs", 1, None),
     ("completions", "use_beam_search", True, False),
     ("completions", "add_special_tokens", False, True),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
@@ -29,6 +28,7 @@ REFUSED = [
     ("chat/completions", "guided_choice", ["yes", "no"], None),
     ("chat/completions", "chat_template_kwargs", {"enable_thinking": True}, None),
     ("chat/completions", "modalities", ["text", "audio"], ["text"]),
+    ("chat/completions", "prompt_logprobs", 1, None),  # honoured on completions only
 ]
 
 
