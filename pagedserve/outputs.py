@@ -14,6 +14,9 @@ class Logprob:
 
 # One entry per generated token: token id -> its Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing precedes it), then token id -> its
+# Logprob (the prompt token, with its rank, plus the top-k).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -40,6 +43,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)  # arrival / first token / finish times
     error: str | None = None  # set when the engine failed on this request (finish_reason "error")
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked for them
 
 
 @dataclass

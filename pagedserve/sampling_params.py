@@ -123,6 +123,8 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Per prompt token after the first: its logprob, rank and the top-k (vLLM's name and meaning).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
@@ -179,8 +181,10 @@ class SamplingParams:
             fail("min_tokens", "an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not _is_int64(self.logprobs) or self.logprobs < 0):
-            fail("logprobs", "an int >= 0 or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int64(value) or value < 0):
+                fail(name, "an int >= 0 or None")
         if self.logit_bias is not None and not (isinstance(self.logit_bias, dict) and all(
                 _is_int64(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items())):
             fail("logit_bias", "a dict of token ids (ints >= 0) to biases in [-100, 100], or None")
@@ -199,8 +203,10 @@ class SamplingParams:
         if bad is not None:
             raise ParameterError("stop_token_ids",
                                  f"stop_token_ids: {bad} is out of range for a vocabulary of {vocab_size}")
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            fail("logprobs", f"<= the vocabulary size ({vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                fail(name, f"<= the vocabulary size ({vocab_size})")
         bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
         if bad is not None:
             raise ParameterError("logit_bias", f"logit_bias: token id {bad} is out of range for a vocabulary of {vocab_size}")

@@ -9,7 +9,7 @@ from pagedserve.sampling_params import ParameterError, SamplingParams
 VLLM_DEFAULTS = dict(
     n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, temperature=1.0,
     top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=False,
-    max_tokens=16, min_tokens=0, logprobs=None, skip_special_tokens=True,
+    max_tokens=16, min_tokens=0, logprobs=None, prompt_logprobs=None, skip_special_tokens=True,
     include_stop_str_in_output=False,
 )
 
@@ -37,7 +37,7 @@ def test_is_greedy(temperature, greedy):
     dict(top_k=-1), dict(top_k=0), dict(top_k=1), dict(top_p=1.0), dict(top_p=1e-9), dict(min_p=1.0),
     dict(temperature=0), dict(presence_penalty=-2, frequency_penalty=2), dict(repetition_penalty=0.01),
     dict(max_tokens=None, min_tokens=10_000), dict(max_tokens=1, min_tokens=1), dict(logprobs=0),
-    dict(seed=0), dict(seed=-3), dict(n=4), dict(stop_token_ids=[0, 2]),
+    dict(prompt_logprobs=0),    dict(seed=0), dict(seed=-3), dict(n=4), dict(stop_token_ids=[0, 2]),
 ])
 def test_valid_edges_accepted(kwargs):
     p = SamplingParams(**kwargs)
@@ -55,7 +55,7 @@ def test_valid_edges_accepted(kwargs):
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
     ("max_tokens", 0), ("max_tokens", 1.5),
     ("min_tokens", -1),
-    ("logprobs", -1), ("logprobs", 1.0),
+    ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", -1), ("prompt_logprobs", True),
     ("seed", 1.5), ("seed", "7"),
     ("stop", ""), ("stop", ["ok", ""]), ("stop", [1]), ("stop", 3),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]), ("stop_token_ids", 2),
@@ -87,7 +87,8 @@ def test_replace_revalidates():
 # that does not fit is refused here, before it can fail a batch that other requests share.
 @pytest.mark.parametrize("name, value", [
     ("top_k", 2**63), ("top_k", 10**30), ("seed", 2**63), ("seed", -(2**63) - 1), ("n", 2**63),
-    ("max_tokens", 2**63), ("min_tokens", 2**63), ("logprobs", 2**63), ("stop_token_ids", [2**63]),
+    ("max_tokens", 2**63), ("min_tokens", 2**63), ("logprobs", 2**63), ("prompt_logprobs", 2**63),
+    ("stop_token_ids", [2**63]),
     ("temperature", 1e39), ("repetition_penalty", 1e39), ("repetition_penalty", 1e-40),
     ("logit_bias", {2**63: 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 100.5}),
     ("logit_bias", {5: float("nan")}), ("logit_bias", {"5": 1.0}),
@@ -108,7 +109,8 @@ def test_the_extremes_that_fit_are_accepted(kwargs):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(top_k=101), "top_k"), (dict(logprobs=101), "logprobs"), (dict(stop_token_ids=[3, 100]), "stop_token_ids"),
+    (dict(top_k=101), "top_k"), (dict(logprobs=101), "logprobs"),
+    (dict(prompt_logprobs=101), "prompt_logprobs"), (dict(stop_token_ids=[3, 100]), "stop_token_ids"),
     (dict(n=9), "n"), (dict(logit_bias={3: 1.0, 100: -5.0}), "logit_bias"),
 ])
 def test_engine_limits_are_checked_against_the_model(kwargs, param):
@@ -116,7 +118,7 @@ def test_engine_limits_are_checked_against_the_model(kwargs, param):
     with pytest.raises(ParameterError, match=param) as e:
         params.verify_for_engine(vocab_size=100, max_num_seqs=8)
     assert e.value.param == param
-    SamplingParams(top_k=100, logprobs=100, stop_token_ids=[99], n=8,
+    SamplingParams(top_k=100, logprobs=100, prompt_logprobs=100, stop_token_ids=[99], n=8,
                    logit_bias={99: -100, 0: 100}).verify_for_engine(vocab_size=100, max_num_seqs=8)
 
 

@@ -2,9 +2,11 @@
 
 One step: the scheduler plans, the executor runs the forward pass, the sampler picks a token for
 every request whose known tokens are all computed, and the core appends it and applies the stop
-conditions it can judge on token ids (EOS, stop tokens, lengths). Text is the front's business
-(`output_processor.py`): detokenization, stop strings, logprob text, output assembly. The front
-tells the core when a stop string ended a sample (`stop_samples`).
+conditions it can judge on token ids (EOS, stop tokens, lengths). A request that asks for prompt
+logprobs also has its prompt positions scored, chunk by chunk; they are sent once, with its first
+token. Text is the front's business (`output_processor.py`): detokenization, stop strings,
+logprob text, output assembly. The front tells the core when a stop string ended a sample
+(`stop_samples`).
 
 The core runs in the caller's process (`LLM`, tests, the in-thread server) or in a process of
 its own (`core_process.py`); it never sees text, a tokenizer or a socket.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +25,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core_messages import CoreStats, EngineCoreRequest, SampleOutput, TokenLogprobs
 from pagedserve.engine.executor import Executor, UniProcExecutor
 from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts
+from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts, gather_logprobs
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.kv import KVCacheManager, KVCacheStats
@@ -38,6 +40,8 @@ class _StepResult:
 
     samplers: list[Request]  # the requests that take a token this step
     sampled: SamplerOutput | None  # aligned with samplers (None when there are none)
+    # The prompt positions this step scored, per request that asked: entries to append.
+    prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]] = field(default_factory=list)
 
 
 def find_culprits(rows: list[int], error: Exception,
@@ -217,20 +221,65 @@ class EngineCore:
     def _compute(self, plan: SchedulerOutput, rows: list[int], samplers: list[Request]) -> _StepResult:
         """The part of a step that can fail: the forward pass and sampling. It changes no
         request: only the K/V slots the plan reserved and the draws of the rows' generators."""
-        logits = self.executor.execute(plan, rows)
+        spans = self._prompt_spans(plan)
+        logits = self.executor.execute(plan, rows, spans)
         self.token_counts.forget(plan.freed)
+        # The sampled rows' logits come first, then the prompt spans' (ModelRunner.execute).
+        prompt_logprobs = self._score_prompts(plan, spans, logits[len(rows):]) if spans else []
+        logits = logits[:len(rows)]
         if not samplers:  # every request of the step is a prefill chunk with more to come
-            return _StepResult(samplers, None)
+            return _StepResult(samplers, None, prompt_logprobs)
         batch = SamplingBatch.build(
             [r.sampling_params for r in samplers], [r.prompt_token_ids for r in samplers],
             [r.output_token_ids for r in samplers], [r.generator for r in samplers], self.eos_token_ids,
             logits.device, self.token_counts, [r.request_id for r in samplers],
             self.structured_output.bitmask([r.grammar for r in samplers], logits.device))
-        return _StepResult(samplers, self.sampler(logits, batch))
+        return _StepResult(samplers, self.sampler(logits, batch), prompt_logprobs)
+
+    @staticmethod
+    def _prompt_spans(plan: SchedulerOutput) -> list[tuple[int, int, int]]:
+        """The scheduled tokens whose logits score prompt tokens this step, as (plan row, first of
+        the row's tokens, count). The logits at position p score prompt token p + 1, so a prompt
+        of P tokens has P - 1 entries; positions scored before a preemption are not scored again."""
+        spans = []
+        for i, (request, n) in enumerate(zip(plan.requests, plan.num_new_tokens)):
+            scored = request.prompt_logprobs
+            if scored is None:
+                continue
+            start = request.num_computed_tokens
+            # Holds because such a request skips the prefix cache: no position goes unscored.
+            assert start <= len(scored), f"prompt positions {len(scored)}..{start} of {request} have no logits"
+            end = min(start + n, request.num_prompt_tokens - 1)
+            if len(scored) < end:
+                spans.append((i, len(scored) - start, end - len(scored)))
+        return spans
+
+    @staticmethod
+    def _score_prompts(plan: SchedulerOutput, spans: list[tuple[int, int, int]],
+                       logits: torch.Tensor) -> list[tuple[Request, list[TokenLogprobs]]]:
+        """The prompt logprobs of the spans (`logits`: theirs, in order): raw log_softmax, as for
+        sampled tokens."""
+        targets: list[int] = []
+        num_top: list[int | None] = []
+        for row, first, count in spans:
+            request = plan.requests[row]
+            position = request.num_computed_tokens + first
+            targets += request.prompt_token_ids[position + 1 : position + 1 + count]
+            num_top += [request.sampling_params.prompt_logprobs] * count
+        scored = gather_logprobs(logits, torch.tensor(targets, dtype=torch.long, device=logits.device), num_top)
+        entries = [TokenLogprobs(lp, rank, top)
+                   for lp, rank, top in zip(scored.logprobs, scored.ranks, scored.top_logprobs)]
+        result, k = [], 0
+        for row, _, count in spans:
+            result.append((plan.requests[row], entries[k : k + count]))
+            k += count
+        return result
 
     def _commit(self, plan: SchedulerOutput, result: _StepResult) -> list[SampleOutput]:
         """Apply a computed step: the tokens are in the cache, forks start, tokens are appended."""
         self.scheduler.finish_step(plan)
+        for request, entries in result.prompt_logprobs:
+            request.prompt_logprobs += entries
         for request in result.samplers:
             for child in self._pending_forks.pop(request.request_id, ()):
                 self.scheduler.fork(request, child)
@@ -255,6 +304,11 @@ class EngineCore:
         logprobs = None
         if params.logprobs is not None:
             logprobs = [TokenLogprobs(sampled.logprobs[j], sampled.ranks[j], sampled.top_logprobs[j] or [])]
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:
+            # Its first token: the prompt is computed and scored. Sent once; a recomputation
+            # after a preemption scores nothing again.
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
 
         # Stop conditions on token ids, in vLLM's order. None apply before min_tokens, except
         # the length. Stop strings are the front's (it reads text).
@@ -273,7 +327,8 @@ class EngineCore:
         if status is not None:
             self.scheduler.finish(request, status)
         return SampleOutput(request.group_id, request.sample_index, [token], logprobs,
-                            status.value if status else None, stop_reason, request.num_cached_tokens or 0)
+                            status.value if status else None, stop_reason, request.num_cached_tokens or 0,
+                            prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _advance_grammar(request: Request, token: int) -> bool:

@@ -41,7 +41,8 @@ CoreCommand = EngineCoreRequest | AbortRequests | StopSamples | Shutdown
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
-    """Log-probabilities of one sampled token: its own, its rank, and the top-k (token, logprob)."""
+    """Log-probabilities of one token (sampled, or of the prompt): its own, its rank, and the
+    top-k (token, logprob)."""
 
     logprob: float
     rank: int
@@ -59,6 +60,9 @@ class SampleOutput(msgspec.Struct, array_like=True):
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     error: str | None = None  # why the engine failed on this request (finish_reason "error")
+    # Sent once, with the first sample's first token, when asked for: one entry per prompt token
+    # after the first (what precedes it predicts it), each holding that prompt token's logprob.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class CoreStats(msgspec.Struct, array_like=True):

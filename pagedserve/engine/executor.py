@@ -1,9 +1,10 @@
 """The executor seam: how the engine core runs a step on its workers.
 
 The core plans a step and samples; an executor runs the forward pass of that step wherever the
-model lives and returns the logits of the rows that sample. `UniProcExecutor` is the one worker
-in the core's own process. A tensor-parallel executor puts more workers (processes, devices)
-behind the same calls; a data-parallel deployment runs several cores, each with its executor.
+model lives and returns the logits of the rows that sample, and of the prompt positions whose
+logprobs were asked for. `UniProcExecutor` is the one worker in the core's own process. A
+tensor-parallel executor puts more workers (processes, devices) behind the same calls; a
+data-parallel deployment runs several cores, each with its executor.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate every worker's pool of `num_blocks` blocks (and capture what depends on it)."""
 
-    def execute(self, step: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; float32 logits [len(sample_rows), vocab] of each listed row's last token."""
+    def execute(self, step: SchedulerOutput, sample_rows: list[int],
+                prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Run one step; float32 logits of each listed row's last token, then of each prompt span's
+        tokens (see `ModelRunner.execute`)."""
 
 
 class UniProcExecutor:
@@ -47,5 +50,6 @@ class UniProcExecutor:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_decode_graphs(max_model_len)
 
-    def execute(self, step: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
-        return self.runner.execute(step, sample_rows)
+    def execute(self, step: SchedulerOutput, sample_rows: list[int],
+                prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.runner.execute(step, sample_rows, prompt_spans)

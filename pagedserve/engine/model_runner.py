@@ -106,9 +106,12 @@ class ModelRunner:
         return self.attention_backend.build_metadata(block_tables, computed, num_new, self.block_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; return float32 logits [len(sample_rows), vocab] of the last scheduled token
-        of each request listed in `sample_rows` (indices into plan.requests; repeats allowed)."""
+    def execute(self, plan: SchedulerOutput, sample_rows: list[int],
+                prompt_spans: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+        """Run one step; return float32 logits: first, one row of the last scheduled token of each
+        request listed in `sample_rows` (indices into plan.requests; repeats allowed); then, for
+        each (row, first, count) of `prompt_spans`, `count` rows: the row's scheduled tokens from
+        its `first` on (for prompt logprobs). Only these tokens go through the LM head."""
         self.copy_blocks(plan.block_copies)
         computed = [r.num_computed_tokens for r in plan.requests]
         input_ids: list[int] = []
@@ -125,9 +128,14 @@ class ModelRunner:
             md.calculate_kv_scales = self.calibrate_kv_scales
             hidden = self.model(ids, md.positions, self.kv_caches, md)
             self.calibrate_kv_scales = False  # only once a pass has set every layer's scales
-        if not sample_rows:
+        if not sample_rows and not prompt_spans:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        rows = md.logits_indices[torch.tensor(sample_rows, device=self.device)]
+        rows = md.logits_indices[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        if prompt_spans:
+            starts = md.query_start_loc_cpu  # where each request's tokens begin in the flat batch
+            tokens = [t for row, first, count in prompt_spans
+                      for t in range(starts[row] + first, starts[row] + first + count)]
+            rows = torch.cat([rows, torch.tensor(tokens, dtype=torch.long, device=self.device)])
         return self.model.compute_logits(hidden[rows]).float()
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:

@@ -15,9 +15,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.engine.core_messages import SampleOutput
+from pagedserve.engine.core_messages import SampleOutput, TokenLogprobs
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class _RequestState:
     arrival_time: float
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -125,15 +126,15 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         if state.first_token_time is None:
             state.first_token_time = now
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] + [self._logprob_entry(token, lp)
+                                              for token, lp in zip(state.prompt_token_ids[1:], out.prompt_logprobs)]
         for k, token in enumerate(out.new_token_ids):
             sample.token_ids.append(token)
             if sample.logprobs is not None and out.logprobs is not None:
                 lp = out.logprobs[k]
                 sample.cumulative_logprob += lp.logprob
-                entry = {token: Logprob(lp.logprob, lp.rank, self._decode_one(token))}
-                for rank, (tok, value) in enumerate(lp.top, start=1):
-                    entry.setdefault(tok, Logprob(value, rank, self._decode_one(tok)))
-                sample.logprobs.append(entry)
+                sample.logprobs.append(self._logprob_entry(token, lp))
         # A stop token's text (EOS or stop_token_ids) is left out of the output unless asked for.
         stopped_by_token = out.finish_reason == "stop"
         if not stopped_by_token or params.include_stop_str_in_output:
@@ -147,6 +148,13 @@ class OutputProcessor:
         if sample.finish_reason is not None:
             sample.finish_time = now
             sample.text += sample.detokenizer.finish()
+
+    def _logprob_entry(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's shape: the token itself first, with its rank, then the top-k ranked from 1."""
+        entry = {token: Logprob(lp.logprob, lp.rank, self._decode_one(token))}
+        for rank, (tok, value) in enumerate(lp.top, start=1):
+            entry.setdefault(tok, Logprob(value, rank, self._decode_one(tok)))
+        return entry
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -167,6 +175,7 @@ class OutputProcessor:
             metrics={"arrival_time": state.arrival_time, "first_token_time": state.first_token_time,
                      "finish_time": max((s.finish_time or 0.0) for s in state.samples) if finished else None},
             error=error,
+            prompt_logprobs=state.prompt_logprobs,
         )
         if finished:
             del self._requests[state.request_id]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from pagedserve.engine.core_messages import TokenLogprobs
     from pagedserve.sampling_params import SamplingParams
 
 
@@ -57,6 +58,11 @@ class Request:
         # Its grammar's state (an xgrammar GrammarMatcher) when its output is constrained: it has
         # accepted exactly output_token_ids, whatever the request's KV state.
         self.grammar = None
+        # The prompt logprobs gathered so far (entry p scores prompt token p + 1) while they are
+        # owed: the first sample of a request that asks (forks share its prompt), until the core
+        # sends them with its first token. None otherwise.
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            [] if sampling_params.prompt_logprobs is not None and sample_index == 0 else None)
 
     @property
     def num_tokens(self) -> int:

@@ -250,7 +250,7 @@ class Sampler:
             sampled = logits.argmax(dim=-1)
             sampled[batch.random_rows] = self._sample(logits[batch.random_rows], batch)
 
-        return _gather_output(raw, sampled, batch.num_logprobs)
+        return gather_logprobs(raw, sampled, batch.num_logprobs)
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """Samples the (non-greedy) rows of `logits`, aligned with batch.random_rows."""
@@ -332,7 +332,9 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     return sorted_logits.scatter(1, order, sorted_logits)
 
 
-def _gather_output(raw_logits: Tensor, sampled: Tensor, num_logprobs: list[int | None]) -> SamplerOutput:
+def gather_logprobs(raw_logits: Tensor, sampled: Tensor, num_logprobs: list[int | None]) -> SamplerOutput:
+    """Each row's token (`sampled`: the one drawn, or the prompt's next token) with, where
+    num_logprobs[row] is not None, its raw logprob, its rank and the row's top num_logprobs."""
     n = len(num_logprobs)
     token_ids = sampled.tolist()
     logprobs: list[float | None] = [None] * n

@@ -106,8 +106,11 @@ class Scheduler:
 
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            # A request still owed its prompt logprobs needs every prompt position's logits, which
+            # cached blocks do not have: it skips the lookup (as vLLM does) and computes them all.
             num_cached = self.kv.admit(request.request_id, request.all_token_ids, num_new_tokens=budget,
-                                       block_hashes=request.block_hashes)
+                                       block_hashes=request.block_hashes,
+                                       read_cache=request.prompt_logprobs is None)
             if num_cached is None:
                 break  # not enough free blocks: keep arrival order, try again next step
             self.waiting.popleft()

@@ -148,11 +148,14 @@ class KVCacheManager:
         num_new_tokens: int | None = None,
         extra_keys: object = None,
         block_hashes: list[bytes] | None = None,
+        read_cache: bool = True,
     ) -> int | None:
         """Give a new (or preempted) request a block table.
 
         Reuses the longest cached prefix, then reserves slots for up to `num_new_tokens` of the
-        remaining tokens (all of them by default). Returns how many tokens came from the prefix
+        remaining tokens (all of them by default). `read_cache=False` skips the lookup, for a
+        request that needs every prompt position computed (its logits); its full blocks are
+        still offered to the cache. Returns how many tokens came from the prefix
         cache, or None (and changes nothing but `block_hashes`) when the pool cannot cover it.
 
         `block_hashes` is the request's own list of chained block hashes (empty at first; only
@@ -164,7 +167,7 @@ class KVCacheManager:
         if not token_ids:
             raise ValueError("cannot admit a request with no tokens")
         hashes = [] if block_hashes is None else block_hashes
-        hit = self.find_cached_prefix(token_ids, extra_keys, hashes)
+        hit = self.find_cached_prefix(token_ids, extra_keys, hashes) if read_cache else []
         num_cached = len(hit) * self.block_size
         remaining = len(token_ids) - num_cached
         n = remaining if num_new_tokens is None else min(remaining, num_new_tokens)
@@ -178,7 +181,8 @@ class KVCacheManager:
         table = _Table(hit + self.pool.allocate(num_new_blocks), num_cached + n, hashes, len(hit), extra_keys)
         self._tables[req_id] = table
         self._count_tokens(table, len(hit))
-        self.prefix_queries += len(token_ids)
+        if read_cache:
+            self.prefix_queries += len(token_ids)
         self.prefix_hits += num_cached
         self._cache_full_blocks(table, token_ids)
         return num_cached

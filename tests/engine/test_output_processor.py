@@ -4,8 +4,11 @@ itself fails on one request."""
 
 from __future__ import annotations
 
+import msgspec
+
 from pagedserve.engine.core_messages import SampleOutput, TokenLogprobs
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -66,6 +69,25 @@ def test_logprobs_are_decoded_in_the_front(embedded_tokenizer):
     assert out.cumulative_logprob == -0.5
     assert {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in out.logprobs[0].items()} == {
         a: (-0.5, 2, tok.decode([a])), b: (-0.1, 1, tok.decode([b]))}
+
+
+def test_prompt_logprobs_arrive_once_and_take_vllm_s_shape(embedded_tokenizer):
+    tok = embedded_tokenizer
+    processor = OutputProcessor(tok)
+    [a, b, c, x, y] = ids(tok, "Hello big world again now")
+    processor.add_request("r", None, [a, b, c], SamplingParams(prompt_logprobs=1, max_tokens=2), 0.0)
+    sent = SampleOutput("r", 0, [y], prompt_logprobs=[TokenLogprobs(-3.0, 7, [(x, -0.5)]),
+                                                      TokenLogprobs(-0.2, 1, [(c, -0.2)])])
+    # As it crosses from a core process: msgpack, no pickle.
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=SampleOutput)
+    first = processor.process([wire]).outputs[0]
+    expected = [None,
+                {b: Logprob(-3.0, 7, tok.decode([b])), x: Logprob(-0.5, 1, tok.decode([x]))},
+                {c: Logprob(-0.2, 1, tok.decode([c]))}]
+    assert first.prompt_logprobs == expected
+    assert [list(entry) for entry in first.prompt_logprobs[1:]] == [[b, x], [c]]  # the prompt token first
+    last = processor.process([SampleOutput("r", 0, [x], finish_reason="length")]).outputs[0]
+    assert last.finished and last.prompt_logprobs == expected  # cumulative outputs keep them
 
 
 def test_a_front_failure_fails_that_request_only(embedded_tokenizer):

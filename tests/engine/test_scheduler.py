@@ -121,6 +121,22 @@ def test_prefix_cache_hit_skips_computation():
     assert plan.num_new_tokens[plan.requests.index(b)] == 2 and b.num_cached_tokens == 8
 
 
+def test_a_request_owed_prompt_logprobs_skips_the_prefix_cache():
+    s = make(caching=True)
+    s.add(request("a", 9))
+    run_step(s)
+    scored = Request("b", list(range(10)), SamplingParams(prompt_logprobs=1))  # same first 9 tokens
+    s.add(scored)
+    plan = run_step(s)
+    assert plan.num_new_tokens[plan.requests.index(scored)] == 10 and scored.num_cached_tokens == 0
+    # Once its prompt logprobs are sent (the core then drops them), a recomputation may use the cache.
+    sent = Request("c", list(range(10)), SamplingParams(prompt_logprobs=1))
+    sent.prompt_logprobs = None
+    s.add(sent)
+    run_step(s)
+    assert sent.num_cached_tokens == 8
+
+
 def test_a_request_hashes_each_full_block_once_across_retries_preemption_and_growth(monkeypatch):
     from pagedserve.kv import kv_cache_manager
 

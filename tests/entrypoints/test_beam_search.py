@@ -100,10 +100,10 @@ def test_a_beam_that_breaks_the_step_fails_its_search_cleanly(tiny_llama, embedd
     engine = llm.llm_engine
     real = engine.runner.execute
 
-    def execute(plan, rows):
+    def execute(plan, rows, spans):
         if any(str(r.group_id).startswith("beam-") and r.num_tokens > 9 for r in plan.requests):
             raise RuntimeError("injected fault")
-        return real(plan, rows)
+        return real(plan, rows, spans)
 
     engine.runner.execute = execute
     with pytest.raises(RuntimeError, match="failed on a beam"):

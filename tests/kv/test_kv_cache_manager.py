@@ -136,6 +136,17 @@ def test_extra_keys_separate_identical_tokens():
     assert m.admit("C", list(range(9)), extra_keys="lora-1") == 8
 
 
+def test_a_request_that_skips_the_lookup_computes_every_token_and_still_offers_its_blocks():
+    m = KVCacheManager(num_blocks=10, block_size=4)
+    prompt = list(range(9))
+    assert m.admit("A", prompt, read_cache=False) == 0
+    assert m.admit("B", prompt) == 8  # A's full blocks joined the cache
+    assert m.admit("C", prompt, read_cache=False) == 0
+    assert not set(m.block_ids("C")) & set(m.block_ids("A"))
+    s = m.stats()
+    assert (s.prefix_queries, s.prefix_hits) == (9, 8)  # a skipped lookup is no query
+
+
 def test_prefix_caching_off_never_shares():
     m = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     m.admit("A", list(range(9)))

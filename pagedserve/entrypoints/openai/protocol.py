@@ -197,7 +197,6 @@ class SamplingRequest(RequestModel):
     guided_decoding_backend: Annotated[Any, Refused("xgrammar", "auto")] = None  # xgrammar is the one there is
     guided_whitespace_pattern: Annotated[Any, Refused()] = None
     # Known, not implemented: a 400 naming the field unless it is null (or neutral).
-    prompt_logprobs: Annotated[Any, Refused()] = None
     allowed_token_ids: Annotated[Any, Refused()] = None
     bad_words: Annotated[Any, Refused()] = None
     truncate_prompt_tokens: Annotated[Any, Refused()] = None
@@ -209,7 +208,8 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams' defaults stand in for nulls. Raises ValueError naming the parameter
         when the combination is invalid (e.g. min_tokens > max_tokens)."""
         names = ["n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -218,7 +218,7 @@ class SamplingRequest(RequestModel):
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.logit_bias is not None:
             given["logit_bias"] = _token_keyed(self.logit_bias)
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               structured_outputs=self.structured_outputs_params(), **given)
 
     def structured_output_field(self) -> str | None:
@@ -266,9 +266,10 @@ def _token_keyed(logit_bias: dict[str, float]) -> dict[int, float]:
 class CompletionRequest(SamplingRequest):
     # Text, a list of texts, token ids, or a list of token id lists.
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], ValidUnicode]
-    max_tokens: int | None = Field(16, ge=1)  # null: 16 too
+    max_tokens: int | None = Field(16, ge=0)  # null: 16 too; 0 only with echo (the prompt alone, scored)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: choices[].prompt_logprobs
     suffix: Annotated[Any, Refused("")] = None
     best_of: int | None = Field(None, ge=1)  # honoured when it equals n (every sample is returned)
     add_special_tokens: Annotated[Any, Refused(True)] = None
@@ -454,6 +455,7 @@ class ChatCompletionRequest(SamplingRequest):
     documents: Annotated[Any, Refused()] = None
     add_generation_prompt: Annotated[Any, Refused(True)] = None
     continue_final_message: Annotated[Any, Refused(False)] = None
+    prompt_logprobs: Annotated[Any, Refused()] = None  # vLLM's; honoured on /v1/completions
 
     def resolved_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
         """tool_choice with OpenAI's default filled in: "auto" when there are tools, else "none"."""
@@ -579,11 +581,21 @@ class CompletionLogProbs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's Logprob, as its prompt_logprobs carry it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    # vLLM's, when prompt_logprobs is asked for: None for the first prompt token, then token id -> logprob.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = _omit_none()
 
 
 class CompletionResponse(ResponseModel):

@@ -1,29 +1,47 @@
-"""POST /v1/completions."""
+"""POST /v1/completions.
+
+`echo` with `logprobs` returns OpenAI's legacy logprobs over the prompt, then over the generated
+tokens (what lm-evaluation-harness's loglikelihood tasks read): the engine computes the prompt's
+logprobs (SamplingParams.prompt_logprobs). `max_tokens` 0 with `echo` returns the prompt alone,
+scored: the engine generates one token, which the answer leaves out.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.entrypoints.openai.protocol import (
-    CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse, UsageInfo,
+    CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse, PromptLogprob, UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
     SSE_DONE, APIError, OpenAIServing, Prompt, StreamState, bad_request, random_id, sse,
 )
-from pagedserve.outputs import RequestOutput, SampleLogprobs
+from pagedserve.outputs import Logprob, RequestOutput, SampleLogprobs
+
+
+@dataclass
+class _Echo:
+    """A prompt as the answer echoes it: its text and, for logprobs, each token's start in it."""
+
+    text: str
+    offsets: list[int] | None = None
+    first_token: str | None = None  # the first token's text (it has no logprob entry to carry it)
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> Response:
         self.check_model(request.model)
-        if request.echo and request.logprobs is not None:
-            raise bad_request("echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                              "echo")
+        prompt_only = request.max_tokens == 0
+        if prompt_only and not request.echo:
+            raise bad_request("max_tokens must be >= 1, or 0 with echo true (the prompt alone, scored)", "max_tokens")
         texts_or_ids = request.prompts()
         if not texts_or_ids:
             raise bad_request("the prompt is empty", "prompt")
@@ -39,12 +57,21 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = 16
         for _, ids in prompts:
             self.check_context(len(ids), max_tokens, "prompt")
-        params = self.sampling_params(request, max_tokens, request.logprobs)
+        # Echoed logprobs cover the prompt too, with as many top entries as the generated tokens'
+        # (vLLM's rule), or more if prompt_logprobs asks for more.
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
+        # The engine generates at least one token; a prompt-only answer leaves it out.
+        params = self.sampling_params(request, max(max_tokens, 1), request.logprobs, prompt_logprobs)
         request_id = random_id("cmpl")
         outputs = self.generate(prompts, params, request_id, "prompt")
+        if prompt_only:
+            outputs = _without_generation(outputs)
         # Wait for the first output before answering, so a refused prompt is still an HTTP error.
         first = await anext(outputs)
-        echoes = await self.run_blocking(self._echoes, prompts) if request.echo else [""] * len(prompts)
+        echoes = ((await self.run_blocking(self._echoes, prompts, request.logprobs is not None))
+                  if request.echo else [None] * len(prompts))
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, echoes, first, outputs),
                                      media_type="text/event-stream")
@@ -67,30 +94,49 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt, self.engine.tokenizer.encode(prompt)  # as LLM.generate does
         return None, list(prompt)
 
-    def _echoes(self, prompts: list[Prompt]) -> list[str]:
+    def _echoes(self, prompts: list[Prompt], with_offsets: bool) -> list[_Echo]:
         """Runs on the executor."""
-        return [self._echo(p) for p in prompts]
+        return [self._echo(p, with_offsets) for p in prompts]
 
-    def _echo(self, prompt: Prompt) -> str:
+    def _echo(self, prompt: Prompt, with_offsets: bool) -> _Echo:
+        """The prompt's text (token ids decoded) and, `with_offsets`, where each token starts in
+        it. Offsets come from decoding the ids incrementally, so a character split over several
+        tokens is counted once (at the token that starts it), not once per token piece."""
         text, ids = prompt
-        return text if text is not None else self.engine.tokenizer.decode(ids)
+        tokenizer = self.engine.tokenizer
+        if not with_offsets:
+            return _Echo(text if text is not None else tokenizer.decode(ids))
+        detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+        offsets = []
+        for token in ids:
+            offsets.append(len(detokenizer.text))
+            detokenizer.add_tokens([token])
+        detokenizer.finish()
+        # A text prompt is echoed as given; the offsets assume it decodes back to itself.
+        return _Echo(text if text is not None else detokenizer.text, offsets, tokenizer.decode(ids[:1]))
 
-    def _choices(self, request: CompletionRequest, i: int, output: RequestOutput, echo: str) -> list[CompletionChoice]:
+    def _choices(self, request: CompletionRequest, i: int, output: RequestOutput,
+                 echo: _Echo | None) -> list[CompletionChoice]:
         """The final choices of prompt i, numbered i * n + sample index."""
-        return [
-            CompletionChoice(
-                index=i * len(output.outputs) + o.index, text=echo + o.text, finish_reason=o.finish_reason,
-                logprobs=(_logprobs(o.token_ids, o.logprobs, len(echo))
-                          if request.logprobs is not None else None))
-            for o in output.outputs
-        ]
+        choices = []
+        for o in output.outputs:
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = _echo_logprobs(echo, output, request.logprobs) if echo else CompletionLogProbs()
+                _add_logprobs(logprobs, o.token_ids, o.logprobs, len(echo.text) if echo else 0, request.logprobs)
+            choices.append(CompletionChoice(
+                index=i * len(output.outputs) + o.index, text=(echo.text if echo else "") + o.text,
+                finish_reason=o.finish_reason, logprobs=logprobs,
+                prompt_logprobs=_prompt_logprobs(output, request.prompt_logprobs)))
+        return choices
 
-    async def _stream(self, request: CompletionRequest, request_id: str, echoes: list[str],
+    async def _stream(self, request: CompletionRequest, request_id: str, echoes: list[_Echo | None],
                       first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]):
         created = int(time.time())
         n = request.n or 1
         states = [StreamState() for _ in range(len(echoes) * n)]
-        offsets = [len(echoes[k // n]) for k in range(len(states))]  # text_offset of the next token
+        # text_offset of each choice's next generated token
+        offsets = [len(echoes[k // n].text) if echoes[k // n] else 0 for k in range(len(states))]
         final: dict[int, RequestOutput] = {}
 
         def chunks(i: int, output: RequestOutput):
@@ -101,13 +147,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 if new is None:
                     continue
                 text, tokens = new
-                if tokens.start == 0:
-                    text = echoes[i] + text
+                opening = tokens.start == 0  # the choice's first chunk: it carries the prompt's part
+                echo = echoes[i] if opening else None
+                if echo:
+                    text = echo.text + text
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = _logprobs(o.token_ids[tokens], o.logprobs[tokens], offsets[k])
-                    offsets[k] += sum(len(t) for t in logprobs.tokens)
-                choice = CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=o.finish_reason)
+                    logprobs = _echo_logprobs(echo, output, request.logprobs) if echo else CompletionLogProbs()
+                    offsets[k] = _add_logprobs(logprobs, o.token_ids[tokens], o.logprobs[tokens], offsets[k],
+                                               request.logprobs)
+                choice = CompletionChoice(
+                    index=k, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
+                    prompt_logprobs=_prompt_logprobs(output, request.prompt_logprobs) if opening else None)
                 yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice]))
 
         async with aclosing(outputs):
@@ -125,18 +176,56 @@ class OpenAIServingCompletion(OpenAIServing):
         yield SSE_DONE
 
 
-def _logprobs(token_ids: list[int], logprobs: SampleLogprobs, offset: int) -> CompletionLogProbs:
-    """OpenAI's legacy logprobs for these tokens, the first starting at text offset `offset`."""
-    result = CompletionLogProbs()
+async def _without_generation(outputs: AsyncIterator[tuple[int, RequestOutput]]):
+    """max_tokens 0 with echo: the outputs without the token the engine generated (it always
+    generates one), each sample ended for length."""
+    async with aclosing(outputs):
+        async for i, output in outputs:
+            samples = [dataclasses.replace(o, text="", token_ids=[], cumulative_logprob=None,
+                                           logprobs=[] if o.logprobs is not None else None,
+                                           finish_reason="length" if o.finish_reason else None, stop_reason=None)
+                       for o in output.outputs]
+            yield i, dataclasses.replace(output, outputs=samples)
+
+
+def _top(token: int, entry: dict[int, Logprob], num_top: int) -> dict[str, float]:
+    """The token itself and the top `num_top` of an entry, as vLLM returns them."""
+    return {lp.decoded_token: lp.logprob for t, lp in entry.items() if t == token or lp.rank <= num_top}
+
+
+def _echo_logprobs(echo: _Echo, output: RequestOutput, num_top: int) -> CompletionLogProbs:
+    """OpenAI's legacy logprobs over the prompt; its first token has none (nothing precedes it)."""
+    result = CompletionLogProbs(text_offset=list(echo.offsets), tokens=[echo.first_token], token_logprobs=[None],
+                                top_logprobs=[None])
+    for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):
+        result.tokens.append(entry[token].decoded_token)
+        result.token_logprobs.append(entry[token].logprob)
+        result.top_logprobs.append(_top(token, entry, num_top))
+    return result
+
+
+def _add_logprobs(result: CompletionLogProbs, token_ids: list[int], logprobs: SampleLogprobs, offset: int,
+                  num_top: int) -> int:
+    """Append OpenAI's legacy logprobs of these generated tokens to `result`, the first at text
+    offset `offset`; return the offset after them."""
     for token, entry in zip(token_ids, logprobs):
         sampled = entry[token]
         result.tokens.append(sampled.decoded_token)
         result.token_logprobs.append(sampled.logprob)
         result.text_offset.append(offset)
         offset += len(sampled.decoded_token)
-        # The entry holds the sampled token and the top `logprobs` tokens: all of it, as vLLM returns it.
-        result.top_logprobs.append({lp.decoded_token: lp.logprob for lp in entry.values()})
-    return result
+        result.top_logprobs.append(_top(token, entry, num_top))
+    return offset
+
+
+def _prompt_logprobs(output: RequestOutput, num_top: int | None) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's choices[].prompt_logprobs, when the request asked for them (echo's may hold more top entries)."""
+    if num_top is None:
+        return None
+    return [None if entry is None else
+            {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+             for t, lp in entry.items() if t == token or lp.rank <= num_top}
+            for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs)]
 
 
 def _usage(outputs) -> UsageInfo:

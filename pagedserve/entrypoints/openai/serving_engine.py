@@ -173,11 +173,12 @@ class OpenAIServing:
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
                 "the completion). Please reduce the length of the messages or completion.", param)
 
-    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams, checked against the model too, so that every bad value
         is a 400 naming its field before the engine sees it."""
         try:
-            params = request.to_sampling_params(max_tokens, logprobs)
+            params = request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
             params.verify_for_engine(self.engine.vocab_size, self.engine.max_num_seqs)
         except ParameterError as e:
             param = e.param

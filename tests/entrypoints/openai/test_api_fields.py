@@ -20,13 +20,13 @@ REFUSED = [
     ("completions", "best_of", 3, 1),
     ("completions", "guided_decoding_backend", "outlines", "xgrammar"),
     ("completions", "guided_whitespace_pattern", "[ ]?", None),
-    ("completions", "prompt_logprobs", 1, None),
     ("completions", "use_beam_search", True, False),
     ("completions", "add_special_tokens", False, True),
     ("chat/completions", "functions", [{"name": "f", "parameters": {}}], []),
     ("chat/completions", "function_call", {"name": "f"}, "none"),
     ("chat/completions", "chat_template_kwargs", {"enable_thinking": True}, None),
     ("chat/completions", "modalities", ["text", "audio"], ["text"]),
+    ("chat/completions", "prompt_logprobs", 1, None),  # honoured on completions only
 ]
 
 

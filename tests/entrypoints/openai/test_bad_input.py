@@ -43,7 +43,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "max_tokens": 4, "repetition_penalty": 1e39}, 400, "repetition_penalty"),
     ("completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 2**64}, 400, "min_tokens"),
     ("completions", {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
-    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("completions", {"prompt": "hi", "max_tokens": 0, "logprobs": 1}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("completions", {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {"prompt": ["hi", ""]}, 400, "prompt"),
@@ -213,11 +215,13 @@ COMPLETION_VALID = VALID | {
     "prompt": text | token_ids | st.lists(text, min_size=1, max_size=2) | st.lists(token_ids, min_size=1, max_size=2),
     "logprobs": st.integers(0, 20),
     "echo": st.booleans(),
+    "prompt_logprobs": st.integers(0, 20),
 }
 COMPLETION_INVALID = INVALID | {
     "prompt": st.just("") | st.lists(st.integers(-10, 10**8), max_size=3) | json_values,
     "logprobs": st.integers(21, 10**6) | st.integers(max_value=-1) | json_values,
     "echo": json_values,
+    "prompt_logprobs": st.integers(21, 10**6) | st.integers(max_value=-1) | json_values,
 }
 message = st.fixed_dictionaries({
     "role": st.sampled_from(["system", "user", "assistant"]),

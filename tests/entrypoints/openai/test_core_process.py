@@ -78,6 +78,17 @@ def test_structured_output_in_the_core_process(process_server, offline):
     assert json.loads(got.choices[0].text)["city"] in ("Paris", "Rome")
 
 
+def test_prompt_logprobs_cross_the_process_boundary(process_server, offline):
+    from pagedserve.sampling_params import SamplingParams
+
+    ids = offline.get_tokenizer().encode("The capital of France is Paris")
+    got = process_server.client().completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    want = offline.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                            use_tqdm=False)[0].prompt_logprobs
+    assert got.choices[0].logprobs.token_logprobs == [None] + [
+        pytest.approx(want[p][ids[p]].logprob, abs=1e-5) for p in range(1, len(ids))]
+
+
 def test_the_core_dies_health_fails_and_requests_get_500_quickly(process_server):
     url, engine = process_server.url, process_server.async_engine
     assert httpx.get(f"{url}/health").status_code == 200

@@ -110,10 +110,10 @@ def test_a_stream_the_engine_fails_on_midway_ends_with_an_error_event(server, al
     poison = engine.tokenizer.encode(" zebra")[0]
     real = engine.runner.execute
 
-    def execute(plan, rows):  # fails every step that decodes the bad request's third token or later
+    def execute(plan, rows, spans):  # fails every step that decodes the bad request's third token or later
         if any(poison in r.prompt_token_ids and len(r.output_token_ids) >= 2 for r in plan.requests):
             raise RuntimeError("injected fault mid-stream")
-        return real(plan, rows)
+        return real(plan, rows, spans)
 
     engine.runner.execute = execute
     try:
