@@ -50,6 +50,7 @@ def run_engine_core(config: EngineConfig, eos_token_ids: list[int], command_addr
         raise SystemExit(1) from None
     outputs.send(encoder.encode(CoreReady(core.max_model_len, core.vocab_size, core.scheduler.max_num_seqs,
                                           core.num_blocks, core.core_stats())))
+    core.structured_output.preload()  # this process has no tokenizer: load its vocabulary while idle
     try:
         _busy_loop(core, commands, outputs, encoder)
     except BaseException as e:

@@ -78,6 +78,11 @@ class StructuredOutputManager:
         self.fill_seconds = 0.0
         self.fill_steps = 0
 
+    def preload(self) -> None:
+        """Build the compiler on a thread now, so that the first constrained request does not
+        stall the step loop while the vocabulary loads (seconds, for a GGUF's tokenizer)."""
+        threading.Thread(target=self._get_compiler, name="grammar-vocabulary", daemon=True).start()
+
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
