@@ -6,7 +6,7 @@ each K/V row in place through the block table, once: on the 2-core test machine,
 ~240 tokens of context each took 0.7 ms per layer against 5-8 ms for the SDPA path.
 
 The source is compiled with the system C compiler ($CC, else cc) the first time it is needed, to a
-shared library cached under $PAGEDSERVE_CACHE_DIR (default ~/.cache/pagedserve) and keyed by the
+shared library cached in pagedserve's cache folder (`pagedserve/cache.py`) and keyed by the
 source, the flags, the compiler and the CPU's features, so an edit or another machine never loads
 a stale build. It links OpenMP: the process already has torch's libgomp loaded, so both share one
 thread pool.
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.attention.kv_quant import FP8_DTYPE
+from pagedserve.cache import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # gnu11 for the vector extensions; fp-contract lets a * b + c become one fused multiply-add.
@@ -38,8 +39,6 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-sh
 VECTOR_WIDTH = 16  # floats per vector in the kernel (VL): head_dim must be a multiple
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
 
 
 def cpu_features() -> str:

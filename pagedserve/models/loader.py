@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedserve.models import gguf_cache
 from pagedserve.models.config import ModelConfig, check_architecture
 from pagedserve.models.llama import DecoderForCausalLM
 
@@ -159,7 +160,11 @@ def load_model(
     hf_config = _hf_config(path)
     config = _model_config(path, hf_config)
     net = DecoderForCausalLM.empty(config, dtype, device)
-    tensors = _gguf_tensors(path, hf_config, dtype) if _is_gguf(path) else _safetensors_tensors(Path(path))
+    if _is_gguf(path):  # dequantized once, then read back from the cache (gguf_cache.py)
+        tensors = gguf_cache.cached(path, f"model-{str(dtype).removeprefix('torch.')}", _load_safetensors,
+                                    lambda: dict(_gguf_tensors(path, hf_config, dtype)), _save_safetensors).items()
+    else:
+        tensors = _safetensors_tensors(Path(path))
     load_weights(net, tensors)
     return net.requires_grad_(False).eval(), config  # inference only: never build autograd graphs
 
@@ -170,7 +175,9 @@ def load_tokenizer(model: str | None = None) -> Any:
 
     path = Path(resolve_model_path(model))
     if _is_gguf(str(path)):
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return gguf_cache.cached(str(path), "tokenizer", lambda d: AutoTokenizer.from_pretrained(str(d)),
+                                 lambda: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name),
+                                 lambda tokenizer, d: tokenizer.save_pretrained(str(d)))
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -212,7 +219,9 @@ def _hf_config(path: str) -> Any:
 
     if _is_gguf(path):
         p = Path(path)
-        return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+        return gguf_cache.cached(path, "config", lambda d: AutoConfig.from_pretrained(str(d)),
+                                 lambda: AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name),
+                                 lambda config, d: config.save_pretrained(str(d)))
     # Check the architecture before transformers does, so the error names what we support.
     raw = _read_json_object(Path(path) / "config.json")
     check_architecture(raw.get("model_type"), raw.get("architectures"))
@@ -271,6 +280,18 @@ def _safetensors_tensors(directory: Path) -> Iterator[tuple[str, Tensor]]:
         with st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, st.get_tensor(name)
+
+
+def _load_safetensors(folder: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _save_safetensors(tensors: dict[str, Tensor], folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(folder / "model.safetensors"))
 
 
 def _gguf_tensors(path: str, hf_config: Any, dtype: torch.dtype) -> Iterable[tuple[str, Tensor]]:
