@@ -278,6 +278,15 @@ def cmd_bench_structured(args: argparse.Namespace) -> None:
     save_report(args.out_dir, "bench_structured", table, None, args.json, report)
 
 
+def cmd_bench_startup(args: argparse.Namespace) -> None:
+    from pagedserve.bench.startup import format_table, run_startup_bench
+
+    rows = run_startup_bench(model=args.model, dtype=args.dtype, reps=args.reps)
+    table = format_table(rows)
+    print(table)
+    save_report(args.out_dir, "bench_startup", table, None, args.json, rows)
+
+
 def cmd_bench_profile(args: argparse.Namespace) -> None:
     from pagedserve.bench.profile import format_table, plot, run_profile_bench
 
@@ -448,6 +457,14 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--out-dir", default=None, help="write bench_structured.md here")
     so.add_argument("--json", default=None)
     so.set_defaults(func=cmd_bench_structured)
+
+    st = bench.add_parser("startup", help="seconds from a new process to the first token, cold and warm cache")
+    st.add_argument("--model", default=None)
+    st.add_argument("--dtype", default="float32")
+    st.add_argument("--reps", type=int, default=2, help="warm starts")
+    st.add_argument("--out-dir", default=None, help="write bench_startup.md here")
+    st.add_argument("--json", default=None)
+    st.set_defaults(func=cmd_bench_startup)
 
     prof = bench.add_parser("profile", help="a decode step's time by part, and decode speed vs the matmul ceiling")
     prof.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])

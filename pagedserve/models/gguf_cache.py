@@ -58,6 +58,15 @@ def entry_key(gguf_path: str) -> str:
     return hashlib.sha256(f"{digest}/{versions}".encode()).hexdigest()[:32]
 
 
+def has_entry(gguf_path: str) -> bool:
+    """Whether some part of the file's entry is cached: then these exact bytes were read and
+    converted before (a damaged file never gets one)."""
+    root = cache_root()
+    entry = None if root is None else root / entry_key(gguf_path)
+    # Complete parts only: a folder being written is hidden (".part-...").
+    return entry is not None and entry.is_dir() and any(not p.name.startswith(".") for p in entry.iterdir())
+
+
 def cached(gguf_path: str, part: str, load: Callable[[Path], Any], make: Callable[[], Any],
            save: Callable[[Any, Path], None]) -> Any:
     """`part` of the GGUF's entry (e.g. "tokenizer", "model-float32"): `load(folder)` when it is

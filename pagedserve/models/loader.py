@@ -65,7 +65,8 @@ def resolve_model_path(model: str | None) -> str:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{model!r} is a file but not a .gguf; pass a .gguf file or a model directory")
-        check_gguf(str(path))
+        if not gguf_cache.has_entry(str(path)):  # an entry exists only for bytes that were checked
+            check_gguf(str(path))
         return str(path)
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))

@@ -128,3 +128,14 @@ def test_the_cache_can_be_turned_off(cache, gguf, monkeypatch):
     gguf_cache.cached(gguf, "p", part.load, part.make, part.save)
     gguf_cache.cached(gguf, "p", part.load, part.make, part.save)
     assert part.made == 2 and not cache.exists()
+
+
+def test_a_damaged_file_never_gets_an_entry(cache, embedded_path, tmp_path):
+    """The damage check runs until the file has an entry, and every load runs it first."""
+    damaged = tmp_path / "damaged.gguf"
+    data = open(embedded_path, "rb").read()
+    damaged.write_bytes(data[: len(data) // 2])
+    for load in (loader.load_tokenizer, loader.load_config, loader.load_model):
+        with pytest.raises(ValueError, match="not a valid GGUF file"):
+            load(str(damaged))
+    assert not gguf_cache.has_entry(str(damaged))
