@@ -93,7 +93,7 @@ def cached(gguf_path: str, part: str, load: Callable[[Path], Any], make: Callabl
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
+    except Exception as e:  # a disk that is full or read-only, or a part that does not save
         logger.warning("could not write the cache entry %s (%r); the next start converts %s again",
                        folder, e, gguf_path)
     return value
