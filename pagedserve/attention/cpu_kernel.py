@@ -97,11 +97,15 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+# The cache's element type, as the kernel's `format` argument names it.
+KV_FORMATS = {torch.float32: 0, FP8_DTYPE: 1, torch.bfloat16: 2}
+
+
 def supports(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether the kernel can run this attention: float32 queries and a float32 or fp8 cache in CPU
-    memory, and a head size that is a whole number of the kernel's vectors (64, 80, 96, 128,
-    256... not 72)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, FP8_DTYPE)
+    """Whether the kernel can run this attention: float32 or bfloat16 queries and a float32,
+    bfloat16 or fp8 cache in CPU memory, and a head size that is a whole number of the kernel's
+    vectors (64, 80, 96, 128, 256... not 72)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype in KV_FORMATS
             and k_cache.shape[-1] % VECTOR_WIDTH == 0)
 
 
@@ -120,11 +124,18 @@ def decode_attention(
     """Write into out[token_indices] the attention of q[token_indices] (one token per request)
     over each request's first seq_lens[r] cached positions, read through block_tables[r].
 
-    q, out: [num_tokens, num_heads, head_dim] contiguous float32; k_cache, v_cache:
-    [num_blocks, block_size, num_kv_heads, head_dim], float32 or fp8 (read times kv_scales[0] and
-    kv_scales[1]); token_indices, seq_lens: [n] int64; block_tables: [n, >= max blocks] int64.
-    Requires `load()` to have returned a library.
+    q, out: [num_tokens, num_heads, head_dim] contiguous, float32 or bfloat16 (the kernel computes
+    in float32: bfloat16 queries are widened, outputs rounded once at the end); k_cache, v_cache:
+    [num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or fp8 (read times
+    kv_scales[0] and kv_scales[1]); token_indices, seq_lens: [n] int64; block_tables:
+    [n, >= max blocks] int64. Requires `load()` to have returned a library.
     """
+    if q.dtype != torch.float32:
+        out32 = torch.empty(q.shape, dtype=torch.float32)
+        decode_attention(q.float(), k_cache, v_cache, out32, token_indices, block_tables, seq_lens, scale,
+                         sliding_window, kv_scales)
+        out.index_copy_(0, token_indices, out32.index_select(0, token_indices).to(out.dtype))
+        return
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     n, num_heads = token_indices.shape[0], q.shape[1]
@@ -132,11 +143,12 @@ def decode_attention(
         assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
     fp8 = k_cache.dtype == FP8_DTYPE
     k_scale, v_scale = kv_scales.tolist() if fp8 and kv_scales is not None else (1.0, 1.0)
+    kv_format = KV_FORMATS[k_cache.dtype]
     status = lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         token_indices.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         n, block_tables.shape[1], block_size, num_heads, num_kv_heads, head_dim,
-        scale, sliding_window or 0, torch.get_num_threads(), fp8, k_scale, v_scale,
+        scale, sliding_window or 0, torch.get_num_threads(), kv_format, k_scale, v_scale,
     )
     if status != 0:
         raise MemoryError("the CPU decode kernel could not allocate its scratch space")

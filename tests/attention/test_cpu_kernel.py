@@ -70,6 +70,24 @@ def test_fp8_cache_matches_the_oracle(kv_heads, heads, dim):
     assert (out - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_heads, heads, dim", [(3, 9, 64), (1, 8, 128), (4, 4, 80)])
+def test_bfloat16_cache_matches_the_oracle_in_float32(q_dtype, kv_heads, heads, dim):
+    """A bfloat16 cache is read without a float32 copy of the context; the kernel computes in
+    float32, so it equals the oracle on the widened values, up to rounding the output once."""
+    q, k_cache, v_cache, md = decode_case([1, 17, 700, 2500, 33], 16, kv_heads, heads, dim, seed=3)
+    q, k16, v16 = (q * 3).to(q_dtype), k_cache.bfloat16(), v_cache.bfloat16()
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.decode_attention(q, k16, v16, out, md.decode_token_indices, md.decode_block_tables,
+                                md.decode_seq_lens, dim**-0.5, 100)
+    slots = md.slot_mapping
+    k, v = k16.float().view(-1, kv_heads, dim)[slots].clone(), v16.float().view(-1, kv_heads, dim)[slots].clone()
+    expected = torch_ref.paged_attention(q.float(), k, v, k16.float(), v16.float(), md, dim**-0.5, 100)
+    assert out.dtype == q_dtype
+    assert torch.allclose(out.float(), expected.to(q_dtype).float(), atol=1e-2, rtol=0)
+    assert (out.float() - expected).abs().max().item() < (1e-5 if q_dtype == torch.float32 else 2e-2)
+
+
 def test_result_does_not_depend_on_the_thread_count():
     q, k_cache, v_cache, md = decode_case([300, 5, 1200, 64] * 4, 16, 3, 9, 64, seed=1)
     threads = torch.get_num_threads()
@@ -123,9 +141,9 @@ def test_disabled_by_environment(monkeypatch, fresh_load):
         assert fresh_load() is None
 
 
-def test_supports_only_float32_on_cpu_and_whole_vectors_per_head():
+def test_supports_float32_and_bfloat16_on_cpu_and_whole_vectors_per_head():
     x = torch.zeros(2, 64)
     assert cpu_kernel.supports(x, x) and cpu_kernel.supports(torch.zeros(2, 80), torch.zeros(2, 80))
+    assert cpu_kernel.supports(x.bfloat16(), x.bfloat16()) and cpu_kernel.supports(x, x.bfloat16())
     assert not cpu_kernel.supports(x.half(), x.half())
-    assert not cpu_kernel.supports(x, x.bfloat16())
     assert not cpu_kernel.supports(torch.zeros(2, 72), torch.zeros(2, 72))

@@ -1,4 +1,4 @@
-/* Decode attention over a paged KV cache, for CPUs, in float32, over a float32 or an fp8 cache.
+/* Decode attention over a paged KV cache, for CPUs, in float32, over a float32, bfloat16 or fp8 cache.
  *
  * Each request brings one query token and reads its K/V in place through its block table: no
  * gathered copy of the context is ever made, so every K/V row crosses the memory bus once per
@@ -15,8 +15,9 @@
  * Query head h reads KV head h / (num_heads / num_kv_heads). Request r, at position
  * p = seq_lens[r] - 1, sees key positions j with p - window < j <= p (window <= 0: every j <= p).
  * Scores are (q . k) * scale and the softmax runs in float32, as in transformers' eager attention.
- * An fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened to float32
- * as it is read; its K scale multiplies the scores, its V scale the output.
+ * A bfloat16 or fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened
+ * to float32 as it is read (exactly: both are float32 with fewer bits); an fp8 cache's K scale
+ * multiplies the scores, its V scale the output.
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,6 +62,18 @@ static inline float fp8_to_float(uint8_t byte)
 }
 
 /* Sum of the lanes, as a tree (a running scalar sum would be a chain of 16 dependent adds). */
+/* The cache's element types (`format` below). */
+enum { KV_F32 = 0, KV_FP8 = 1, KV_BF16 = 2 };
+
+/* A bfloat16 is the top half of a float32. */
+static inline float bf16_to_float(uint16_t half)
+{
+    const uint32_t bits = (uint32_t)half << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
 static inline float hsum(vec v)
 {
     v += __builtin_shuffle(v, (ivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -102,18 +115,27 @@ static inline void prefetch_block(const void *p, int64_t n)
 static inline int64_t span_start(int64_t b, int64_t first, int64_t bs) { return first > b * bs ? first - b * bs : 0; }
 static inline int64_t span_end(int64_t b, int64_t len, int64_t bs) { return len - b * bs < bs ? len - b * bs : bs; }
 
-/* Rows t0..t1-1 of the request's block b as floats: in place for a float32 cache; an fp8 block is
- * widened once into buf, so the query heads that share its rows do not each convert them. Block
- * b + 1 is asked for meanwhile: blocks sit anywhere in the pool, out of the prefetcher's sight. */
+/* Rows t0..t1-1 of the request's block b as floats: in place for a float32 cache; an fp8 or
+ * bfloat16 block is widened once into buf, so the query heads that share its rows do not each
+ * convert them. Block b + 1 is asked for meanwhile: blocks sit anywhere in the pool, out of the
+ * prefetcher's sight. */
 static inline const float *block_rows(const void *cache, const int64_t *table, int64_t b, int64_t end_block,
-                                      int64_t t0, int64_t t1, int64_t bs, int64_t stride, const int fp8, float *buf)
+                                      int64_t t0, int64_t t1, int64_t bs, int64_t stride, const int format,
+                                      float *buf)
 {
-    const int64_t block_bytes = bs * stride * (fp8 ? 1 : sizeof(float));
+    const int64_t block_bytes = bs * stride * (format == KV_FP8 ? 1 : format == KV_BF16 ? 2 : sizeof(float));
     if (b + 1 < end_block)
         prefetch_block((const char *)cache + table[b + 1] * block_bytes, block_bytes);
     const uint8_t *block = (const uint8_t *)cache + table[b] * block_bytes;
-    if (!fp8)
+    if (format == KV_F32)
         return (const float *)block;
+    if (format == KV_BF16) {
+        const uint16_t *halves = (const uint16_t *)block;
+#pragma omp simd
+        for (int64_t i = t0 * stride; i < t1 * stride; i++)
+            buf[i] = bf16_to_float(halves[i]);
+        return buf;
+    }
 #pragma omp simd
     for (int64_t i = t0 * stride; i < t1 * stride; i++)
         buf[i] = fp8_to_float(block[i]);
@@ -124,12 +146,12 @@ static inline const float *block_rows(const void *cache, const int64_t *table, i
  * into oh. Query head h reads KV head h / group. Each block's K and V rows (all KV heads,
  * contiguous) are read once, in order, and reused from L1 by the heads that share them.
  * scores: scratch of num_heads * max_len floats; acc: num_heads * head_dim; buf: one block of
- * floats (fp8 only). Always inlined, so a constant head_dim gives fully unrolled vector loops and
- * a constant fp8 a copy for that cache type alone. */
+ * floats (fp8 and bfloat16 only). Always inlined, so a constant head_dim gives fully unrolled vector
+ * loops and a constant format a copy for that cache type alone. */
 static inline __attribute__((always_inline)) void attend_request(
     const struct paged_kv *kv, const int64_t *table, int64_t first, int64_t len, const float *qh, float *oh,
     int64_t num_heads, int64_t group, const int64_t head_dim, float scale, float v_scale, float *scores,
-    int64_t max_len, float *acc, const int fp8, float *buf)
+    int64_t max_len, float *acc, const int format, float *buf)
 {
     const int64_t bs = kv->block_size, stride = kv->token_stride, nv = head_dim / VL;
     const int64_t first_block = first / bs, end_block = (len + bs - 1) / bs;
@@ -140,7 +162,7 @@ static inline __attribute__((always_inline)) void attend_request(
     /* Scores, block by block, and each query head's maximum. */
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = span_start(b, first, bs), t1 = span_end(b, len, bs);
-        const float *kb = block_rows(kv->k_cache, table, b, end_block, t0, t1, bs, stride, fp8, buf);
+        const float *kb = block_rows(kv->k_cache, table, b, end_block, t0, t1, bs, stride, format, buf);
         for (int64_t h = 0; h < num_heads; h++) {
             vec q[nv];
             for (int64_t i = 0; i < nv; i++)
@@ -174,7 +196,7 @@ static inline __attribute__((always_inline)) void attend_request(
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = span_start(b, first, bs), t1 = span_end(b, len, bs);
-        const float *vb = block_rows(kv->v_cache, table, b, end_block, t0, t1, bs, stride, fp8, buf);
+        const float *vb = block_rows(kv->v_cache, table, b, end_block, t0, t1, bs, stride, format, buf);
         for (int64_t h = 0; h < num_heads; h++) {
             vec a[nv];
             for (int64_t i = 0; i < nv; i++)
@@ -194,13 +216,13 @@ static inline __attribute__((always_inline)) void attend_request(
     }
 }
 
-/* fp8: the caches hold e4m3 bytes, to be multiplied by k_scale and v_scale (else float32, scales 1). */
+/* format: KV_F32, KV_BF16, or KV_FP8 (e4m3 bytes, to be multiplied by k_scale and v_scale; else 1). */
 int paged_decode_attention(
     const float *q, const void *k_cache, const void *v_cache, float *out,
     const int64_t *token_indices, const int64_t *block_tables, const int64_t *seq_lens,
     int64_t n, int64_t table_stride, int64_t block_size,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, int num_threads, int fp8, float k_scale, float v_scale)
+    float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale)
 {
     const struct paged_kv kv = {k_cache, v_cache, block_size, num_kv_heads * head_dim};
     const int64_t group = num_heads / num_kv_heads;
@@ -211,8 +233,9 @@ int paged_decode_attention(
 
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Per thread: scores, then acc, then one block of widened fp8 rows. */
-        float *scores = malloc(sizeof(float) * (num_heads * (max_len + head_dim) + (fp8 ? block_size * kv.token_stride : 0)));
+        /* Per thread: scores, then acc, then one block of widened rows (fp8, bfloat16). */
+        float *scores = malloc(sizeof(float) * (num_heads * (max_len + head_dim)
+                                                + (format != KV_F32 ? block_size * kv.token_stride : 0)));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -227,15 +250,18 @@ int paged_decode_attention(
             float *buf = acc + num_heads * head_dim;
             const int64_t *table = block_tables + r * table_stride;
             /* Common head sizes get their own unrolled copy, for each cache type. */
-#define ATTEND(dim, is_fp8) \
+#define ATTEND(dim, fmt) \
     attend_request(&kv, table, first, len, qh, oh, num_heads, group, dim, scale * k_scale, v_scale, scores, \
-                   max_len, acc, is_fp8, buf)
+                   max_len, acc, fmt, buf)
+#define ATTEND_FORMATS(dim) \
+    (format == KV_FP8 ? ATTEND(dim, KV_FP8) : format == KV_BF16 ? ATTEND(dim, KV_BF16) : ATTEND(dim, KV_F32))
             if (head_dim == 64)
-                fp8 ? ATTEND(64, 1) : ATTEND(64, 0);
+                ATTEND_FORMATS(64);
             else if (head_dim == 128)
-                fp8 ? ATTEND(128, 1) : ATTEND(128, 0);
+                ATTEND_FORMATS(128);
             else
-                fp8 ? ATTEND(head_dim, 1) : ATTEND(head_dim, 0);
+                ATTEND_FORMATS(head_dim);
+#undef ATTEND_FORMATS
 #undef ATTEND
         }
         free(scores);
