@@ -217,7 +217,7 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
                          device: str = "cpu", dtype: str = "float32", model: str | None = None,
                          log=print) -> list[SystemResult]:
     """pagedserve and transformers run `model` (default: the embedded one) on `device` in `dtype`;
-    vLLM and llama.cpp (CPU builds) the embedded model on the CPU."""
+    vLLM (in `dtype` too) and llama.cpp (CPU builds) the embedded model on the CPU."""
     from pagedserve.models.loader import embedded_model_path, load_model, load_tokenizer
 
     unknown = set(systems) - set(SYSTEMS)
@@ -249,11 +249,12 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
         elif system == "vllm":
             # vLLM's CPU default computes on all cores but one; also try it on every core.
             runs.append(("vllm (default threads)", lambda: run_external(
-                "vllm", vllm_python, workload, reps, hf_model_dir or "", {}, label="vllm (default threads)")))
+                "vllm", vllm_python, workload, reps, hf_model_dir or "", {"dtype": dtype},
+                label="vllm (default threads)")))
             if vllm_python:
                 label = f"vllm ({os.cpu_count()} threads)"
                 runs.append((label, lambda label=label: run_external(
-                    "vllm", vllm_python, workload, reps, hf_model_dir or "", {},
+                    "vllm", vllm_python, workload, reps, hf_model_dir or "", {"dtype": dtype},
                     env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
                     label=label)))
         else:

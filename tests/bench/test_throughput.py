@@ -1,6 +1,8 @@
 """The throughput bench's machinery on a tiny model: every system produces exactly the workload's
 tokens and the table reports ratios to pagedserve. (No timing is asserted.)"""
 
+import json
+
 import pytest
 
 from pagedserve.bench.throughput import (SystemResult, markdown_table, plot, run_external, run_hf_cb,
@@ -65,3 +67,19 @@ def test_a_failing_system_becomes_a_row_and_the_others_still_run(tiny, monkeypat
     assert "stalled" in results[0].skipped and not results[1].skipped
     with pytest.raises(ValueError, match="unknown system"):
         throughput.run_throughput_bench(workload, ["tgi"], reps=1)
+
+
+def test_vllm_runs_in_the_dtype_pagedserve_runs_in(tmp_path):
+    """The vLLM driver is handed the bench's dtype (it was float32 whatever the bench ran in). A
+    stand-in for vLLM's Python keeps the spec it was given and reports a run."""
+    from pagedserve.bench.throughput import run_throughput_bench
+
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f'#!/bin/sh\ncp "$2" {tmp_path}/spec.json\n'
+                           'echo \'{"seconds": [1.0], "output_tokens": 5, "note": "stand-in"}\' > "$3"\n')
+    fake_python.chmod(0o755)
+    workload = small(sharegpt_like)
+    results = run_throughput_bench(workload, ["vllm"], reps=1, vllm_python=str(fake_python), dtype="bfloat16",
+                                   log=lambda *_: None)
+    assert [r.skipped for r in results] == [None, None]  # default threads, and every core
+    assert json.loads((tmp_path / "spec.json").read_text())["dtype"] == "bfloat16"

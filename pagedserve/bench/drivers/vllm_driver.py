@@ -15,7 +15,8 @@ def main() -> None:
 
     requests = spec["workload"]["requests"]
     # The same KV budget as pagedserve's default; the memory fraction only has to fit the machine.
-    llm = LLM(model=spec["model"], dtype="float32", seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
+    dtype = spec.get("dtype", "float32")  # the dtype pagedserve runs in, for the same comparison
+    llm = LLM(model=spec["model"], dtype=dtype, seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
               kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 1 << 30), gpu_memory_utilization=0.3)
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
     params = [SamplingParams(n=r["n"], max_tokens=r["output_len"], ignore_eos=True,
@@ -33,7 +34,7 @@ def main() -> None:
         produced = run()
         seconds.append(time.perf_counter() - start)
     with open(sys.argv[2], "w") as f:
-        json.dump({"seconds": seconds, "output_tokens": produced, "note": f"vLLM {vllm.__version__}, float32"}, f)
+        json.dump({"seconds": seconds, "output_tokens": produced, "note": f"vLLM {vllm.__version__}, {dtype}"}, f)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core in a spawned process
