@@ -9,7 +9,8 @@ logprob text, output assembly. The front tells the core when a stop string ended
 (`stop_samples`).
 
 The core runs in the caller's process (`LLM`, tests, the in-thread server) or in a process of
-its own (`core_process.py`); it never sees text, a tokenizer or a socket.
+its own (`core_process.py`); it never sees text or a socket. Its one use of a tokenizer is the
+vocabulary that grammars compile against (`structured_output.py`).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ steps (which commit nothing). Before sampling, the matchers of the constrained r
 bitmask of allowed tokens; the sampler applies it to those rows only, so free rows in the same
 batch pay nothing.
 
-The core has no tokenizer of its own (it deals in token ids): the grammar compiler needs the
-vocabulary's strings, so the first constrained request loads it (the front's tokenizer, when
-the core runs in the front's process; the checkpoint's, when it runs in a process of its own).
+The core deals in token ids, but the grammar compiler needs the vocabulary's strings: it takes
+the front's tokenizer when the core runs in the front's process; in a process of its own, the
+core loads the checkpoint's on a thread as soon as it is ready (`preload`), or at the latest on
+the first constrained request.
 """
 
 from __future__ import annotations
