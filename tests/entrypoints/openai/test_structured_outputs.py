@@ -10,7 +10,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
