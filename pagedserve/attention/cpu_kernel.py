@@ -1,77 +1,29 @@
-"""The C decode-attention kernel for CPUs (csrc/paged_decode.c): build, load, call.
+"""The C decode-attention kernel for CPUs (csrc/paged_decode.c): load, call.
 
 Decode attention is memory-bound: a step reads every running request's whole context. Gathering
 the context into a padded tensor for SDPA copies it (read, write, read again); the kernel reads
 each K/V row in place through the block table, once: on the 2-core test machine, 64 decodes with
 ~240 tokens of context each took 0.7 ms per layer against 5-8 ms for the SDPA path.
 
-The source is compiled with the system C compiler ($CC, else cc) the first time it is needed, to a
-shared library cached in pagedserve's cache folder (`pagedserve/cache.py`) and keyed by the
-source, the flags, the compiler and the CPU's features, so an edit or another machine never loads
-a stale build. It links OpenMP: the process already has torch's libgomp loaded, so both share one
-thread pool.
-Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls
-back to the SDPA path (a warning says why, once).
+`pagedserve/native.py` compiles it on first use and caches the build. Without a compiler, or with
+PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls back to the SDPA path (a
+warning says why, once).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from pagedserve import native
 from pagedserve.attention.kv_quant import FP8_DTYPE
-from pagedserve.cache import cache_dir
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# gnu11 for the vector extensions; fp-contract lets a * b + c become one fused multiply-add.
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 VECTOR_WIDTH = 16  # floats per vector in the kernel (VL): head_dim must be a multiple
-
-
-
-
-def cpu_features() -> str:
-    """What -march=native compiles for: a build for one CPU must not be loaded on another that
-    shares the cache directory (a home on a network drive)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def find_compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def compile_kernel(compiler: str) -> Path:
-    """Compile SOURCE (or reuse the cached build for this source, flags, compiler and CPU)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, cpu_features()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()}")
-        os.replace(built, target)
-    return target
 
 
 @functools.cache
@@ -79,14 +31,10 @@ def load() -> ctypes.CDLL | None:
     """The kernel library, compiled if needed; None if it is disabled or cannot be built."""
     if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
         return None
-    compiler = find_compiler()
-    if compiler is None:
-        warnings.warn("no C compiler found: decode attention uses the slower SDPA path", stacklevel=2)
-        return None
     try:
-        lib = ctypes.CDLL(str(compile_kernel(compiler)))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        warnings.warn(f"the CPU decode kernel is unavailable ({exc}); decode attention uses the SDPA path",
+        lib = native.load_library("paged_decode")
+    except native.BuildError as exc:
+        warnings.warn(f"the CPU decode kernel is unavailable ({exc}); decode attention uses the slower SDPA path",
                       stacklevel=2)
         return None
     fn = lib.paged_decode_attention

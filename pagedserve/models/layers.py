@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedserve.models import fused_cpu
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -20,7 +22,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """norm(x); with a residual, (norm(x + residual), x + residual), the sum written into
+        residual's memory on the fused CPU path."""
+        if fused_cpu.available(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            out = fused_cpu.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self.norm(x)
+        x = x + residual
+        return self.norm(x), x
+
+    def norm(self, x: Tensor) -> Tensor:
         # Normalise in float32 whatever the model dtype, then scale in the model dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -72,7 +85,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate [num_tokens, heads, head_dim] by the half-split (GPT-NeoX) convention that
-    transformers' Llama weights use."""
+    transformers' Llama weights use. On the fused CPU path x is rotated in place (it may be a view
+    of the fused qkv output)."""
+    if fused_cpu.available(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return fused_cpu.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -135,5 +151,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        # float32 only: in bfloat16 the C pass ran slower than torch's on the test machine (at 2,048
+        # tokens, 24 ms against 0.9 ms; the cause is not understood yet).
+        if gate_up.dtype == torch.float32 and fused_cpu.available(gate_up):
+            return self.down_proj(fused_cpu.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -54,9 +54,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, md: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: KVCache,
+                md: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """(this layer's MLP output, the residual stream before it); the caller adds the two, in
+        the next layer's (or the final) norm, which fuses the add. residual=None: x is the first
+        layer's input."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -97,9 +106,10 @@ class DecoderForCausalLM(nn.Module):
         Returns the final hidden states [num_tokens, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # gathered once, shared by all layers
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

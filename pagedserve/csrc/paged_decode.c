@@ -5,7 +5,7 @@
  * step. Threads take whole requests; within one, each block's K/V rows (all KV heads, contiguous)
  * are read in order and reused from L1 by the query heads that share them.
  *
- * Built by pagedserve/attention/cpu_kernel.py with the system C compiler on first use and called
+ * Built by pagedserve/native.py with the system C compiler on first use and called
  * through ctypes; tests/attention/test_cpu_kernel.py holds it against the torch oracle.
  *
  * Layouts (C-contiguous):
@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fast_exp.h"
 
 struct paged_kv {
     const void *k_cache, *v_cache;
@@ -61,7 +63,6 @@ static inline float fp8_to_float(uint8_t byte)
     return x;
 }
 
-/* Sum of the lanes, as a tree (a running scalar sum would be a chain of 16 dependent adds). */
 /* The cache's element types (`format` below). */
 enum { KV_F32 = 0, KV_FP8 = 1, KV_BF16 = 2 };
 
@@ -74,6 +75,7 @@ static inline float bf16_to_float(uint16_t half)
     return x;
 }
 
+/* Sum of the lanes, as a tree (a running scalar sum would be a chain of 16 dependent adds). */
 static inline float hsum(vec v)
 {
     v += __builtin_shuffle(v, (ivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -81,27 +83,6 @@ static inline float hsum(vec v)
     v += __builtin_shuffle(v, (ivec){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
     v += __builtin_shuffle(v, (ivec){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
     return v[0];
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum), to about 1 ulp like libm's expf, in plain
- * arithmetic the compiler vectorizes (a libm call per score cannot be). Cody-Waite reduction
- * x = n ln2 + r, |r| <= ln2 / 2, the classic degree-6 polynomial for e^r, then 2^n in the
- * exponent bits. Below -87.3, where expf underflows, it returns 0 like expf. */
-static inline float exp_nonpositive(float x)
-{
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t e = ((int32_t)(n < -126.0f ? -126.0f : n) + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, sizeof two_n);
-    return x < -87.3f ? 0.0f : p * two_n;
 }
 
 /* Ask for a block's rows (n contiguous bytes) to be brought into cache. */
@@ -186,7 +167,7 @@ static inline __attribute__((always_inline)) void attend_request(
         const float m = maxima[h];
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = first; j < len; j++) {
-            sh[j] = exp_nonpositive(sh[j] - m);
+            sh[j] = fast_exp(sh[j] - m);
             sum += sh[j];
         }
         sums[h] = sum;

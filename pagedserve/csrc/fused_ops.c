@@ -1,0 +1,131 @@
+/* The decoder's elementwise steps, fused, for CPUs, in float32 or bfloat16: each is one pass over
+ * memory where torch runs 5 to 14 separate operators (each a full read and write, and a dispatch).
+ *
+ * Built by pagedserve/native.py with the system C compiler on first use and called through ctypes
+ * from pagedserve/models/fused_cpu.py; tests/models/test_fused_cpu.py holds each against the torch
+ * arithmetic of models/layers.py.
+ *
+ * Every function takes `bf16`: 0 for float32 tensors, 1 for bfloat16 ones. Arithmetic is float32;
+ * in bfloat16, every value that torch would round to bfloat16 between two of its operators is
+ * rounded here at the same place, so that results match torch's up to the order of a sum.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "fast_exp.h"
+
+/* A bfloat16 is the top half of a float32. */
+static inline float bf16_load(const uint16_t *p, int64_t i)
+{
+    const uint32_t bits = (uint32_t)p[i] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* Round to nearest even, as torch does (NaN stays NaN: its payload keeps a high mantissa bit). */
+static inline uint16_t bf16_bits(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline float round_bf16(float x)
+{
+    const uint32_t bits = (uint32_t)bf16_bits(x) << 16;
+    float y;
+    memcpy(&y, &bits, sizeof y);
+    return y;
+}
+
+static inline float get(const void *p, int64_t i, int bf16)
+{
+    return bf16 ? bf16_load((const uint16_t *)p, i) : ((const float *)p)[i];
+}
+
+static inline void put(void *p, int64_t i, float x, int bf16)
+{
+    if (bf16)
+        ((uint16_t *)p)[i] = bf16_bits(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+/* The model dtype's rounding of a float32 value. */
+static inline float rnd(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
+
+/* Below this many elements a call runs on one thread: waking the others costs more. */
+#define PARALLEL_MIN 32768
+
+/* RMSNorm, optionally after a residual add. For each of n rows of dim:
+ *   if residual: residual = x + residual (rounded to the dtype), and the norm reads it;
+ *   out = weight * dtype(r * rsqrt(mean(r^2) + eps))  with r the row in float32.
+ * out may be x. */
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t n, int64_t dim, float eps,
+              int bf16, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (n * dim >= PARALLEL_MIN)
+    for (int64_t t = 0; t < n; t++) {
+        float row[dim];
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) {
+            float v = get(x, t * dim + i, bf16);
+            if (residual) {
+                v = rnd(v + get(residual, t * dim + i, bf16), bf16);
+                put(residual, t * dim + i, v, bf16);
+            }
+            row[i] = v;
+        }
+        /* A loop of its own: the sum's order does not depend on whether there was a residual. */
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++)
+            sum += row[i] * row[i];
+        const float inv = 1.f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++)
+            put(out, t * dim + i, get(weight, i, bf16) * rnd(row[i] * inv, bf16), bf16);
+    }
+}
+
+/* out[t] = dtype(silu(gate)) * up, where gate_up[t] = [gate (inter) | up (inter)]. */
+void silu_and_mul(const void *gate_up, void *out, int64_t n, int64_t inter, int bf16, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (n * inter >= PARALLEL_MIN)
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t in = t * 2 * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float g = get(gate_up, in + i, bf16), u = get(gate_up, in + inter + i, bf16);
+            put(out, t * inter + i, rnd(g / (1.f + fast_exp(-g)), bf16) * u, bf16);
+        }
+    }
+}
+
+/* Rotary embedding in place, half-split (GPT-NeoX) convention, on `heads` heads of head_dim
+ * starting at element 0 of each row of x (rows `row_stride` elements apart): for each head,
+ *   [x1, x2] -> [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+ * with each product rounded to the dtype before the sum, as torch computes it. cos, sin:
+ * [n, head_dim / 2] in the dtype. */
+void rotary(void *x, const void *cos, const void *sin, int64_t n, int64_t row_stride, int64_t heads,
+            int64_t head_dim, int bf16, int num_threads)
+{
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (n * heads * head_dim >= PARALLEL_MIN)
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t base = t * row_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float c = get(cos, t * half + i, bf16), s = get(sin, t * half + i, bf16);
+                const float x1 = get(x, base + i, bf16), x2 = get(x, base + half + i, bf16);
+                put(x, base + i, rnd(x1 * c, bf16) - rnd(x2 * s, bf16), bf16);
+                put(x, base + half + i, rnd(x2 * c, bf16) + rnd(x1 * s, bf16), bf16);
+            }
+        }
+    }
+}

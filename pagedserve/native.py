@@ -1,0 +1,74 @@
+"""The C sources in pagedserve/csrc: compiled on first use, cached, loaded with ctypes.
+
+Each source is compiled with the system C compiler ($CC, else cc) to a shared library in
+pagedserve's cache folder (`pagedserve/cache.py`), keyed by the text of every file in csrc (a
+source and the headers it includes), its flags, the compiler and the CPU's features, so that an
+edit or another machine never loads a stale build. Libraries link OpenMP: the process already has
+torch's libgomp loaded, so they share its thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pagedserve.cache import cache_dir
+
+CSRC = Path(__file__).with_name("csrc")
+# gnu11 for the vector extensions; fp-contract lets a * b + c become one fused multiply-add.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+
+class BuildError(RuntimeError):
+    """No compiler, or it failed: callers fall back to torch."""
+
+
+def cpu_features() -> str:
+    """What -march=native compiles for: a build for one CPU must not be loaded on another that
+    shares the cache directory (a home on a network drive)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_source(name: str, compiler: str, flags: list[str] = FLAGS) -> Path:
+    """csrc/<name>.c compiled (or the cached build for this text, flags, compiler and CPU)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    texts = [f"{p.name}\n{p.read_text()}" for p in sorted(CSRC.iterdir()) if p.suffix in (".c", ".h")]
+    key = hashlib.sha256("\0".join([name, *texts, *flags, version, cpu_features()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, str(CSRC / f"{name}.c"), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise BuildError(f"{compiler} failed on {name}.c:\n{result.stderr.strip()}")
+        os.replace(built, target)
+    return target
+
+
+def load_library(name: str, flags: list[str] = FLAGS) -> ctypes.CDLL:
+    """csrc/<name>.c as a loaded library; BuildError if it cannot be built or loaded."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found")
+    try:
+        return ctypes.CDLL(str(compile_source(name, compiler, flags)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise BuildError(str(exc)) from exc
