@@ -41,6 +41,8 @@ class SystemResult:
     output_tokens: int = 0
     note: str = ""
     skipped: str | None = None  # why it did not run
+    startup_s: float | None = None  # from building the engine to ready (weights, caches, compiling)
+    token_ids: list[list[int]] | None = None  # the last run's outputs (greedy rows are compared)
 
     def output_tps(self, pick=statistics.median) -> float:
         return self.output_tokens / pick(self.seconds)
@@ -56,6 +58,7 @@ class SystemResult:
             "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
             "output_tps_median": self.output_tps(), "output_tps_min": self.output_tps(max),
             "output_tps_max": self.output_tps(min), "total_tps_median": self.total_tps(),
+            "startup_s": self.startup_s,
         }
 
 
@@ -80,21 +83,25 @@ def run_pagedserve(workload: Workload, reps: int, model, tokenizer, label: str =
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.sampling_params import SamplingParams
 
+    start = time.perf_counter()
     llm = LLM.from_engine(LLMEngine(EngineConfig(**engine_kwargs), model=model, tokenizer=tokenizer))
+    startup_s = time.perf_counter() - start
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
     params = [SamplingParams(n=r.n, max_tokens=r.output_len, temperature=0.0 if r.n == 1 else 1.0, seed=i,
                              ignore_eos=True) for i, r in enumerate(workload.requests)]
+    token_ids: list[list[int]] = []
 
     def run():
         llm.reset_prefix_cache()  # every repetition prefills cold, as the first did
         outputs = llm.generate(prompts, params, use_tqdm=False)
         produced = sum(len(o.token_ids) for out in outputs for o in out.outputs)
         assert produced == workload.num_output_tokens, (produced, workload.num_output_tokens)
+        token_ids[:] = [list(out.outputs[0].token_ids) for out in outputs]
 
     config = llm.llm_engine.config
     kv = "" if config.kv_cache_dtype == "auto" else f" {config.kv_cache_dtype}"
     return SystemResult(label, timed(run, reps), workload.num_prompt_tokens, workload.num_output_tokens,
-                        note=f"paged{kv} KV, block {config.block_size}")
+                        note=f"paged{kv} KV, block {config.block_size}", startup_s=startup_s, token_ids=token_ids)
 
 
 def _hf_generation_kwargs(n: int) -> dict:
@@ -174,23 +181,45 @@ def run_external(system: str, python: str | None, workload: Workload, reps: int,
         with open(report_path) as f:
             report = json.load(f)
     return SystemResult(label, report["seconds"], workload.num_prompt_tokens, report["output_tokens"],
-                        note=report.get("note", ""))
+                        note=report.get("note", ""), startup_s=report.get("startup_s"),
+                        token_ids=report.get("token_ids"))
 
 
 # ---- the report ------------------------------------------------------------------------------
 
 
+def greedy_agreement(workload: Workload, ours: SystemResult, other: SystemResult) -> str:
+    """How many greedy requests produced the same tokens in both systems, and the mean share of
+    tokens they agree on before the first difference."""
+    rows = [i for i, r in enumerate(workload.requests) if r.n == 1]
+    if not rows or not ours.token_ids or not other.token_ids:
+        return "-"
+    prefixes = []
+    for i in rows:
+        a, b = ours.token_ids[i], other.token_ids[i]
+        same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefixes.append(same / max(len(a), 1))
+    identical = sum(ours.token_ids[i] == other.token_ids[i] for i in rows)
+    return f"{identical}/{len(rows)} ({sum(prefixes) / len(prefixes):.0%})"
+
+
 def markdown_table(workload: Workload, results: list[SystemResult]) -> str:
     ours = next((r for r in results if r.system == "pagedserve" and not r.skipped), None)
     runs = max((len(r.seconds) for r in results if not r.skipped), default=0)
-    lines = [f"Workload {workload.describe()}; median of {runs} runs (min..max).", "",
-             "| system | output tok/s | total tok/s | output vs pagedserve | notes |", "|---|---:|---:|---:|---|"]
+    lines = [f"Workload {workload.describe()}; median of {runs} runs (min..max). Startup: from building the "
+             "engine to ready, weights cached. Greedy agreement: requests whose greedy output is "
+             "pagedserve's token for token (mean share of tokens before the first difference).", "",
+             "| system | output tok/s | total tok/s | output vs pagedserve | startup s | greedy agreement | notes |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.system} | - | - | - | {r.skipped} |")
+            lines.append(f"| {r.system} | - | - | - | - | - | {r.skipped} |")
             continue
+        ratio = f"{r.output_tps() / ours.output_tps():.2f}x" if ours else "-"
+        startup = "-" if r.startup_s is None else f"{r.startup_s:.1f}"
+        agreement = greedy_agreement(workload, ours, r) if ours and r is not ours else "-"
         lines.append(f"| {r.system} | {r.output_tps():.1f} ({r.output_tps(max):.1f}..{r.output_tps(min):.1f}) | "
-                     f"{r.total_tps():.1f} | {f'{r.output_tps() / ours.output_tps():.2f}x' if ours else '-'} | {r.note} |")
+                     f"{r.total_tps():.1f} | {ratio} | {startup} | {agreement} | {r.note} |")
     return "\n".join(lines)
 
 

@@ -81,4 +81,11 @@ def parallel_sampling(num_requests: int = 16, seed: int = 0, n: int = 4, prompt_
     return Workload("parallel-sampling", [WorkloadRequest(r.prompt_token_ids, r.output_len, n) for r in base.requests])
 
 
-WORKLOADS = {"sharegpt-like": sharegpt_like, "shared-prefix": shared_prefix, "parallel-sampling": parallel_sampling}
+def long_prompt(num_requests: int = 64, seed: int = 0, prompt_len=(512, 2048), output_len=(32, 256),
+                vocab: range = range(100, 49000)) -> Workload:
+    """Document-sized prompts (summaries, RAG, code): prompt attention and chunked prefill dominate."""
+    base = sharegpt_like(num_requests, seed, prompt_len, output_len, vocab)
+    return Workload("long-prompt", base.requests)
+
+
+WORKLOADS = {"sharegpt-like": sharegpt_like, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "parallel-sampling": parallel_sampling}

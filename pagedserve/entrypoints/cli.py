@@ -240,22 +240,24 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         device=args.device, model=args.model, dtype=resolve_dtype(args.dtype, args.device))
     table = markdown_table(workload, results)
     if args.device == "cpu" and args.model is None and any(r.system == "pagedserve" and not r.skipped for r in results):
-        table += "\n\n" + ceiling_note(results)
+        table += "\n\n" + ceiling_note(results, resolve_dtype(args.dtype, args.device))
     print(table)
     save_report(args.out_dir, f"bench_throughput_{workload.name}", table,
                 lambda png: plot(results, workload.describe(), png),
                 args.json, {"workload": workload.describe(), "results": [r.summary() for r in results]})
 
 
-def ceiling_note(results) -> str:
-    """pagedserve's total tokens/s against this machine's float32 matmul ceiling for the model."""
+def ceiling_note(results, dtype: str = "float32") -> str:
+    """pagedserve's total tokens/s against this machine's matmul ceiling for the model in `dtype`."""
+    import torch
+
     from pagedserve.bench.profile import matmul_ceiling, matmul_params
     from pagedserve.models.loader import load_model
 
-    net = load_model()[0]
+    net = load_model(dtype=getattr(torch, dtype))[0]
     ceiling = matmul_ceiling(net) / (2 * matmul_params(net))
     ours = next(r for r in results if r.system == "pagedserve")
-    return (f"pagedserve total tokens/s = {ours.total_tps() / ceiling:.0%} of the float32 matmul ceiling "
+    return (f"pagedserve total tokens/s = {ours.total_tps() / ceiling:.0%} of the {dtype} matmul ceiling "
             f"measured in this run ({ceiling:.0f} tokens/s at 2 x {matmul_params(net) / 1e6:.1f}M FLOPs per token).")
 
 
@@ -421,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.set_defaults(func=cmd_bench_memory)
 
     thr = bench.add_parser("throughput", help="pagedserve vs other systems on one workload, as ratios")
-    thr.add_argument("--workload", default="sharegpt-like", choices=["sharegpt-like", "shared-prefix", "parallel-sampling"])
+    thr.add_argument("--workload", default="sharegpt-like",
+                     choices=["sharegpt-like", "long-prompt", "shared-prefix", "parallel-sampling"])
     thr.add_argument("--systems", default="pagedserve,hf-static,hf-cb,vllm,llamacpp")
     thr.add_argument("--num-requests", type=int, default=64)
     thr.add_argument("--seed", type=int, default=0)

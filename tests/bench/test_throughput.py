@@ -83,3 +83,25 @@ def test_vllm_runs_in_the_dtype_pagedserve_runs_in(tmp_path):
                                    log=lambda *_: None)
     assert [r.skipped for r in results] == [None, None]  # default threads, and every core
     assert json.loads((tmp_path / "spec.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_the_table_reports_startup_and_greedy_agreement():
+    workload = small(sharegpt_like)
+    ours = SystemResult("pagedserve", [1.0], 10, 20, startup_s=3.25,
+                        token_ids=[list(range(r.output_len)) for r in workload.requests])
+    theirs_ids = [list(ids) for ids in ours.token_ids]
+    theirs_ids[0][1] = -1  # the first request differs from its second token on
+    theirs = SystemResult("vllm", [2.0], 10, 20, startup_s=95.0, token_ids=theirs_ids)
+    n0 = workload.requests[0].output_len
+    expected = f"2/3 ({(1 / n0 + 2) / 3:.0%})"
+    row = next(line for line in markdown_table(workload, [ours, theirs]).splitlines() if line.startswith("| vllm"))
+    assert "| 95.0 |" in row and f"| {expected} |" in row
+    assert "| 3.2 |" in markdown_table(workload, [ours]) or "| 3.3 |" in markdown_table(workload, [ours])
+
+
+def test_pagedserve_records_its_outputs_and_startup(tiny):
+    model, tokenizer, _ = tiny
+    workload = small(sharegpt_like)
+    result = run_pagedserve(workload, 1, model, tokenizer, num_kv_blocks=64, max_model_len=256)
+    assert [len(ids) for ids in result.token_ids] == [r.output_len for r in workload.requests]
+    assert result.startup_s > 0

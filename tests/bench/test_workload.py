@@ -18,5 +18,14 @@ def test_parallel_sampling_multiplies_outputs():
     w = parallel_sampling(4, n=4)
     assert all(r.n == 4 for r in w.requests)
     assert w.num_output_tokens == 4 * sum(r.output_len for r in w.requests)
-    assert set(WORKLOADS) == {"sharegpt-like", "shared-prefix", "parallel-sampling"}
+    assert set(WORKLOADS) == {"sharegpt-like", "long-prompt", "shared-prefix", "parallel-sampling"}
     assert w.to_json()["requests"][0]["n"] == 4
+
+
+def test_long_prompt_lengths():
+    from pagedserve.bench.workload import WORKLOADS, long_prompt
+
+    workload = long_prompt(num_requests=40, seed=1)
+    assert WORKLOADS["long-prompt"] is long_prompt and workload.name == "long-prompt"
+    assert all(512 <= len(r.prompt_token_ids) <= 2048 and 32 <= r.output_len <= 256 for r in workload.requests)
+    assert workload.requests == long_prompt(num_requests=40, seed=1).requests

@@ -16,15 +16,20 @@ def main() -> None:
     requests = spec["workload"]["requests"]
     # The same KV budget as pagedserve's default; the memory fraction only has to fit the machine.
     dtype = spec.get("dtype", "float32")  # the dtype pagedserve runs in, for the same comparison
+    start = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=dtype, seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
               kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 1 << 30), gpu_memory_utilization=0.3)
+    startup_s = time.perf_counter() - start
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
     params = [SamplingParams(n=r["n"], max_tokens=r["output_len"], ignore_eos=True,
                              temperature=0.0 if r["n"] == 1 else 1.0, seed=i) for i, r in enumerate(requests)]
 
+    token_ids = []
+
     def run():
         llm.reset_prefix_cache()  # every repetition prefills cold, as the first did
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        token_ids[:] = [list(out.outputs[0].token_ids) for out in outputs]
         return sum(len(o.token_ids) for out in outputs for o in out.outputs)
 
     run()  # warm-up
@@ -34,7 +39,8 @@ def main() -> None:
         produced = run()
         seconds.append(time.perf_counter() - start)
     with open(sys.argv[2], "w") as f:
-        json.dump({"seconds": seconds, "output_tokens": produced, "note": f"vLLM {vllm.__version__}, {dtype}"}, f)
+        json.dump({"seconds": seconds, "output_tokens": produced, "note": f"vLLM {vllm.__version__}, {dtype}",
+                   "startup_s": startup_s, "token_ids": token_ids}, f)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core in a spawned process
