@@ -207,7 +207,8 @@ def markdown_table(workload: Workload, results: list[SystemResult]) -> str:
     ours = next((r for r in results if r.system == "pagedserve" and not r.skipped), None)
     runs = max((len(r.seconds) for r in results if not r.skipped), default=0)
     lines = [f"Workload {workload.describe()}; median of {runs} runs (min..max). Startup: from building the "
-             "engine to ready, weights cached. Greedy agreement: requests whose greedy output is "
+             "engine to ready (pagedserve: loading the weights, cached, and the tokenizer, plus building the engine; "
+             "not the imports). Greedy agreement: requests whose greedy output is "
              "pagedserve's token for token (mean share of tokens before the first difference).", "",
              "| system | output tok/s | total tok/s | output vs pagedserve | startup s | greedy agreement | notes |",
              "|---|---:|---:|---:|---:|---:|---|"]
@@ -253,9 +254,18 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
     if unknown:
         raise ValueError(f"unknown system {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
 
+    load_s = []  # what loading the weights and tokenizer took: part of every pagedserve row's startup
+
     @functools.cache  # loaded once, by the first run that needs it
     def ours():
-        return load_model(model, getattr(torch, dtype), device), load_tokenizer(model)
+        start = time.perf_counter()
+        loaded = load_model(model, getattr(torch, dtype), device), load_tokenizer(model)
+        load_s.append(time.perf_counter() - start)
+        return loaded
+
+    def with_load(result: SystemResult) -> SystemResult:
+        result.startup_s += load_s[0]
+        return result
 
     @functools.cache
     def hf_model():
@@ -266,10 +276,10 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
     runs = []  # (label, thunk returning a SystemResult): one per row of the table
     for system in systems:
         if system == "pagedserve":
-            runs.append(("pagedserve", lambda: run_pagedserve(workload, reps, *ours(), **engine_kwargs)))
+            runs.append(("pagedserve", lambda: with_load(run_pagedserve(workload, reps, *ours(), **engine_kwargs))))
         elif system == "pagedserve-fp8":
-            runs.append(("pagedserve-fp8", lambda: run_pagedserve(
-                workload, reps, *ours(), label="pagedserve (fp8 KV)", **(engine_kwargs | {"kv_cache_dtype": "fp8"}))))
+            runs.append(("pagedserve-fp8", lambda: with_load(run_pagedserve(
+                workload, reps, *ours(), label="pagedserve (fp8 KV)", **(engine_kwargs | {"kv_cache_dtype": "fp8"})))))
         elif system == "hf-static":
             runs += [(f"hf-static (batch {b})", lambda b=b: run_hf_static(workload, reps, hf_model(), b))
                      for b in hf_batch_sizes]
