@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 from pagedserve.cache import cache_dir
@@ -61,6 +62,18 @@ def compile_source(name: str, compiler: str, flags: list[str] = FLAGS) -> Path:
             raise BuildError(f"{compiler} failed on {name}.c:\n{result.stderr.strip()}")
         os.replace(built, target)
     return target
+
+
+def optional_library(name: str, fallback: str, flags: list[str] = FLAGS) -> ctypes.CDLL | None:
+    """csrc/<name>.c loaded, or None: switched off with PAGEDSERVE_CPU_KERNEL=0 (silently), or
+    unbuildable (with a warning naming the source and `fallback`, what runs instead)."""
+    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
+        return None
+    try:
+        return load_library(name, flags)
+    except BuildError as exc:
+        warnings.warn(f"{name}.c is unavailable ({exc}); {fallback}", stacklevel=3)
+        return None
 
 
 def load_library(name: str, flags: list[str] = FLAGS) -> ctypes.CDLL:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import warnings
 
 import torch
 from torch import Tensor
@@ -29,13 +27,8 @@ VECTOR_WIDTH = 16  # floats per vector in the kernel (VL): head_dim must be a mu
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, compiled if needed; None if it is disabled or cannot be built."""
-    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
-        return None
-    try:
-        lib = native.load_library("paged_decode")
-    except native.BuildError as exc:
-        warnings.warn(f"the CPU decode kernel is unavailable ({exc}); decode attention uses the slower SDPA path",
-                      stacklevel=2)
+    lib = native.optional_library("paged_decode", "decode attention uses the slower SDPA path")
+    if lib is None:
         return None
     fn = lib.paged_decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64

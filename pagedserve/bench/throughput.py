@@ -254,17 +254,17 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
     if unknown:
         raise ValueError(f"unknown system {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
 
-    load_s = []  # what loading the weights and tokenizer took: part of every pagedserve row's startup
-
     @functools.cache  # loaded once, by the first run that needs it
     def ours():
         start = time.perf_counter()
         loaded = load_model(model, getattr(torch, dtype), device), load_tokenizer(model)
-        load_s.append(time.perf_counter() - start)
-        return loaded
+        return loaded, time.perf_counter() - start
 
-    def with_load(result: SystemResult) -> SystemResult:
-        result.startup_s += load_s[0]
+    def run_ours(**kwargs) -> SystemResult:
+        """run_pagedserve on the shared weights; its startup counts their loading, as a fresh start would."""
+        (loaded_model, tokenizer), load_s = ours()
+        result = run_pagedserve(workload, reps, loaded_model, tokenizer, **kwargs)
+        result.startup_s += load_s
         return result
 
     @functools.cache
@@ -276,10 +276,10 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
     runs = []  # (label, thunk returning a SystemResult): one per row of the table
     for system in systems:
         if system == "pagedserve":
-            runs.append(("pagedserve", lambda: with_load(run_pagedserve(workload, reps, *ours(), **engine_kwargs))))
+            runs.append(("pagedserve", lambda: run_ours(**engine_kwargs)))
         elif system == "pagedserve-fp8":
-            runs.append(("pagedserve-fp8", lambda: with_load(run_pagedserve(
-                workload, reps, *ours(), label="pagedserve (fp8 KV)", **(engine_kwargs | {"kv_cache_dtype": "fp8"})))))
+            runs.append(("pagedserve-fp8", lambda: run_ours(
+                label="pagedserve (fp8 KV)", **(engine_kwargs | {"kv_cache_dtype": "fp8"}))))
         elif system == "hf-static":
             runs += [(f"hf-static (batch {b})", lambda b=b: run_hf_static(workload, reps, hf_model(), b))
                      for b in hf_batch_sizes]

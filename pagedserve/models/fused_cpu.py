@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import warnings
 
 import torch
 from torch import Tensor
@@ -28,13 +26,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
-        return None
-    try:
-        lib = native.load_library("fused_ops", FLAGS)
-    except native.BuildError as exc:
-        warnings.warn(f"the fused CPU ops are unavailable ({exc}); norms, SiLU and RoPE run in torch",
-                      stacklevel=2)
+    lib = native.optional_library("fused_ops", "norms, SiLU and RoPE run in torch", FLAGS)
+    if lib is None:
         return None
     ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.rms_norm.argtypes = [ptr] * 4 + [i64, i64, ctypes.c_float, c_int, c_int]

@@ -87,7 +87,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate [num_tokens, heads, head_dim] by the half-split (GPT-NeoX) convention that
     transformers' Llama weights use. On the fused CPU path x is rotated in place (it may be a view
     of the fused qkv output)."""
-    if fused_cpu.available(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+    if fused_cpu.available(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.dtype == x.dtype:
         return fused_cpu.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -132,7 +132,7 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear` (oneDNN on CPU in float32)."""
+    """nn.Linear through `linear` (oneDNN on CPU in float32 and bfloat16)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
