@@ -4,7 +4,9 @@ Requests of a seeded workload (token-id prompts, fixed output lengths) are sent 
 `/v1/completions` calls with Poisson arrivals at `request_rate` per second (inf = all at once).
 For each request the client records time to first token (TTFT), the gaps between streamed
 chunks (inter-token latency, ITL), time per output token after the first (TPOT) and end-to-end
-latency; the report gives p50/p90/p99 of each and request and token throughput.
+latency; the report gives p50/p90/p99 of each and request and token throughput. Several servers
+(`--url NAME=URL ...`, or servers the bench starts itself: `--systems`, bench/servers.py) are
+measured one after another on the same workload and arrival times, and compared rate by rate.
 """
 
 from __future__ import annotations
@@ -76,8 +78,17 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "p50": q[49], "p90": q[89], "p99": q[98]}
 
 
+async def warm_up(url: str, workload: Workload, model: str, api_key: str | None = None, num_requests: int = 8,
+                  max_tokens: int = 8) -> None:
+    """A few requests at once before the timed run, unrecorded: a server's first batch pays for lazy
+    set-up (compilation, first allocations) that no later request sees."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        await asyncio.gather(*(_one_request(client, url, model, r.prompt_token_ids, min(r.output_len, max_tokens), api_key)
+                               for r in workload.requests[:num_requests]))
+
+
 async def run_serving_bench(url: str, workload: Workload, request_rate: float, model: str, seed: int = 0,
-                            api_key: str | None = None, progress: bool = True) -> dict:
+                            api_key: str | None = None, progress: bool = True, system: str | None = None) -> dict:
     rng = random.Random(seed)
     pending = []
     bar = tqdm(total=len(workload.requests), desc="requests", disable=not progress)
@@ -100,6 +111,7 @@ async def run_serving_bench(url: str, workload: Workload, request_rate: float, m
     ok = [r for r in records if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     return {
+        "system": system or url,
         "url": url,
         "workload": workload.describe(),
         "request_rate": request_rate,
@@ -131,12 +143,21 @@ def format_report(report: dict) -> str:
 
 
 def format_table(reports: list[dict]) -> str:
-    """One row per request rate: throughput and p50 / p99 latencies."""
-    lines = [f"{reports[0]['workload']} against {reports[0]['url']}", "",
-             "| request rate (req/s) | completed | req/s | output tok/s | TTFT p50 / p99 (ms) | "
-             "TPOT p50 / p99 (ms) | e2e p50 / p99 (s) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    """One row per system and request rate: throughput and p50 / p99 latencies."""
+    systems = list(dict.fromkeys(r.get("system", r["url"]) for r in reports))
+    several = len(systems) > 1
+    first = reports[0]
+    drawn = first["workload"] if len({r["workload"] for r in reports}) == 1 else (
+        f"{first['workload'].split(':')[0]}: {first['completed'] + first['failed']} requests per rate, "
+        "new prompts at each rate")
+    title = f"{drawn} against " + (", ".join(systems) if several else
+                                               first["url"] if systems[0] == first["url"] else f"{systems[0]} ({first['url']})")
+    lines = [title, "", ("| system " if several else "") + "| request rate (req/s) | completed | req/s | output tok/s | "
+             "TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | e2e p50 / p99 (s) |",
+             ("|---" if several else "") + "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in reports:
-        lines.append(f"| {r['request_rate']:g} | {r['completed']} of {r['completed'] + r['failed']} | "
+        lines.append((f"| {r.get('system', r['url'])} " if several else "") +
+                     f"| {r['request_rate']:g} | {r['completed']} of {r['completed'] + r['failed']} | "
                      f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
                      f"{r['ttft_s']['p50'] * 1e3:.0f} / {r['ttft_s']['p99'] * 1e3:.0f} | "
                      f"{r['tpot_s']['p50'] * 1e3:.0f} / {r['tpot_s']['p99'] * 1e3:.0f} | "
@@ -144,25 +165,53 @@ def format_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(reports: list[dict], baseline: str) -> str:
+    """Rate by rate, the baseline's latency percentiles against each other system's, with the ratio
+    (below 1: the baseline is faster)."""
+    by_key = {(r["system"], r["request_rate"]): r for r in reports}
+    others = [s for s in dict.fromkeys(r["system"] for r in reports) if s != baseline]
+    lines = [f"{baseline} / other system, ms (ratio; below 1: {baseline} is faster)", "",
+             "| request rate (req/s) | vs | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | output tok/s |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for rate in dict.fromkeys(r["request_rate"] for r in reports):
+        ours = by_key.get((baseline, rate))
+        for other in others:
+            theirs = by_key.get((other, rate))
+            if ours is None or theirs is None:
+                continue
+            cells = []
+            for key, q in (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99")):
+                a, b = ours[key][q], theirs[key][q]
+                cells.append(f"{a * 1e3:.0f} / {b * 1e3:.0f} ({a / b:.2f}x)" if b else "-")
+            a, b = ours["output_throughput"], theirs["output_throughput"]
+            cells.append(f"{a:.0f} / {b:.0f} ({a / b:.2f}x)" if b else "-")
+            lines.append(f"| {rate:g} | {other} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(reports: list[dict], path: str) -> None:
-    """Latency (p50, with p99 dashed) against request rate; 'inf' is drawn past the last rate."""
+    """Latency (p50, with p99 dashed) against request rate, one colour per system; 'inf' is drawn
+    past the last rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     finite = [r["request_rate"] for r in reports if r["request_rate"] != float("inf")]
-    x = [r["request_rate"] if r["request_rate"] != float("inf") else 2 * max(finite, default=1) for r in reports]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, (key, title, unit) in zip(axes, [("ttft_s", "time to first token", 1e3), ("tpot_s", "time per output token", 1e3),
-                                             ("e2e_s", "end-to-end latency", 1)]):
-        ax.plot(x, [r[key]["p50"] * unit for r in reports], "o-", label="p50")
-        ax.plot(x, [r[key]["p99"] * unit for r in reports], "o--", label="p99")
+    for colour, system in enumerate(dict.fromkeys(r.get("system", r["url"]) for r in reports)):
+        rows = [r for r in reports if r.get("system", r["url"]) == system]
+        x = [r["request_rate"] if r["request_rate"] != float("inf") else 2 * max(finite, default=1) for r in rows]
+        for ax, (key, unit) in zip(axes, [("ttft_s", 1e3), ("tpot_s", 1e3), ("e2e_s", 1)]):
+            ax.plot(x, [r[key]["p50"] * unit for r in rows], "o-", color=f"C{colour}", label=f"{system} p50")
+            ax.plot(x, [r[key]["p99"] * unit for r in rows], "o--", color=f"C{colour}", label=f"{system} p99")
+    for ax, (title, unit) in zip(axes, [("time to first token", "ms"), ("time per output token", "ms"),
+                                        ("end-to-end latency", "s")]):
         ax.set_title(title)
         ax.set_xlabel("request rate (req/s; rightmost: all at once)")
-        ax.set_ylabel("ms" if unit == 1e3 else "s")
+        ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

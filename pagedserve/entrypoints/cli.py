@@ -312,18 +312,47 @@ def cmd_bench_overhead(args: argparse.Namespace) -> None:
 def cmd_bench_serving(args: argparse.Namespace) -> None:
     import asyncio
 
-    from pagedserve.bench.serving import format_report, format_table, plot, run_serving_bench
+    from pagedserve.bench.servers import launch
+    from pagedserve.bench.serving import format_comparison, format_report, format_table, plot, run_serving_bench, warm_up
     from pagedserve.bench.workload import sharegpt_like
 
-    workload = sharegpt_like(num_requests=args.num_requests, seed=args.seed, output_len=(16, args.max_output_len))
-    reports = []
-    for rate in args.request_rate:
-        reports.append(asyncio.run(run_serving_bench(args.url.rstrip("/"), workload, rate, args.model_name,
-                                                     seed=args.seed, api_key=args.api_key)))
-        print(format_report(reports[-1]) + "\n")
-    if len(reports) > 1:
-        print(format_table(reports))
-    save_report(args.out_dir, "bench_serving", format_table(reports), lambda png: plot(reports, png),
+    # A fresh draw of prompts for each rate and for the warm-up: a prompt sent before would be
+    # served from the prefix cache.
+    def workload(seed: int, num_requests: int = args.num_requests):
+        return sharegpt_like(num_requests=num_requests, seed=seed, output_len=(16, args.max_output_len))
+
+    urls = [tuple(u.split("=", 1)) if "=" in u.split("://")[0] else (u, u) for u in args.url or []]
+    systems = [s for s in (args.systems or "").split(",") if s]
+    if not urls and not systems:
+        urls = [("http://127.0.0.1:8000",) * 2]
+    reports, startups = [], {}
+
+    def measure(system: str, url: str) -> None:
+        url = url.rstrip("/")
+        if args.warmup_requests:
+            asyncio.run(warm_up(url, workload(args.seed + len(args.request_rate), args.warmup_requests),
+                                args.model_name, args.api_key, args.warmup_requests))
+        for i, rate in enumerate(args.request_rate):
+            reports.append(asyncio.run(run_serving_bench(url, workload(args.seed + i), rate, args.model_name,
+                                                         seed=args.seed, api_key=args.api_key, system=system)))
+            print(format_report(reports[-1]) + "\n")
+
+    for name, url in urls:
+        measure(name, url)
+    for system in systems:  # one at a time, so that no two servers share the cores
+        print(f"starting {system} serve ...", file=sys.stderr)
+        with launch(system, args.model_name, args.dtype, args.vllm_python, args.hf_model_dir, args.api_key) as server:
+            startups[system] = server.startup_s
+            print(f"{system} ready in {server.startup_s:.1f} s at {server.url} (log: {server.log_path})", file=sys.stderr)
+            measure(system, server.url)
+    table = format_table(reports)
+    names = list(dict.fromkeys(r["system"] for r in reports))
+    if len(names) > 1:
+        table += "\n\n" + format_comparison(reports, "pagedserve" if "pagedserve" in names else names[0])
+    if startups:
+        table += "\n\nServer start to /health ready: " + ", ".join(f"{k} {v:.1f} s" for k, v in startups.items())
+    print(table)
+    save_report(args.out_dir, "bench_serving", table, lambda png: plot(reports, png),
                 args.json, reports if len(reports) > 1 else reports[0])
 
 
@@ -491,7 +520,16 @@ def build_parser() -> argparse.ArgumentParser:
     ovh.set_defaults(func=cmd_bench_overhead)
 
     srv = bench.add_parser("serving", help="load generator against an OpenAI-compatible server")
-    srv.add_argument("--url", default="http://127.0.0.1:8000")
+    srv.add_argument("--url", nargs="+", default=None, metavar="[NAME=]URL",
+                     help="running servers to measure, one after another (default: http://127.0.0.1:8000 "
+                     "unless --systems is given)")
+    srv.add_argument("--systems", default=None, help="servers the bench starts itself, one at a time, each on a free "
+                     "loopback port: a comma list of pagedserve, vllm")
+    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for the servers of --systems")
+    srv.add_argument("--vllm-python", default=None, help="a Python with vllm installed, for --systems vllm")
+    srv.add_argument("--hf-model-dir", default=None, help="the model as an HF directory for vLLM (pagedserve export-hf)")
+    srv.add_argument("--warmup-requests", type=int, default=8,
+                     help="requests sent at once, unrecorded, before a server's timed runs (0: none)")
     srv.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
                      help="requests per second (inf: all at once); several rates give a latency-vs-rate table")
     srv.add_argument("--out-dir", default=None, help="write bench_serving.md and .png (latency vs rate) here")
