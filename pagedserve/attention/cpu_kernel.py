@@ -1,4 +1,4 @@
-"""The C decode-attention kernel for CPUs (csrc/paged_decode.c): load, call.
+"""The C decode-attention kernel for CPUs (csrc/paged_attention.c): load, call.
 
 Decode attention is memory-bound: a step reads every running request's whole context. Gathering
 the context into a padded tensor for SDPA copies it (read, write, read again); the kernel reads
@@ -27,12 +27,16 @@ VECTOR_WIDTH = 16  # floats per vector in the kernel (VL): head_dim must be a mu
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, compiled if needed; None if it is disabled or cannot be built."""
-    lib = native.optional_library("paged_decode", "decode attention uses the slower SDPA path")
+    lib = native.optional_library("paged_attention", "decode attention uses the slower SDPA path")
     if lib is None:
         return None
     fn = lib.paged_decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                                           ctypes.c_float]
+    fn.restype = ctypes.c_int
+    fn = lib.paged_prefill_attention
+    fn.argtypes = [ptr] * 8 + [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                            ctypes.c_float]
     fn.restype = ctypes.c_int
     return lib
@@ -93,3 +97,45 @@ def decode_attention(
     )
     if status != 0:
         raise MemoryError("the CPU decode kernel could not allocate its scratch space")
+
+
+def prefill_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    out: Tensor,
+    rows: Tensor,
+    q_starts: Tensor,
+    num_new: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int | None,
+    kv_scales: Tensor | None = None,
+) -> None:
+    """Write into out the attention of multi-token requests: request r's new tokens are rows
+    q_starts[r] .. q_starts[r] + num_new[r] - 1 of q, at positions seq_lens[r] - num_new[r] ..
+    seq_lens[r] - 1, and see every cached position up to their own (within the window). Their K/V,
+    the new tokens' included, are already in the cache. rows: every row of q those requests own
+    (only these rows of out are written). q, out: float32 or bfloat16 (computed in float32, as in
+    `decode_attention`); the rest as for `decode_attention`; q_starts, num_new, seq_lens: [n] int64."""
+    if q.dtype != torch.float32:
+        out32 = torch.empty(q.shape, dtype=torch.float32)
+        prefill_attention(q.float(), k_cache, v_cache, out32, rows, q_starts, num_new, block_tables, seq_lens,
+                          scale, sliding_window, kv_scales)
+        out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
+        return
+    lib = load()
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    for t in (q, out, k_cache, v_cache, q_starts, num_new, block_tables, seq_lens):
+        assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
+    fp8 = k_cache.dtype == FP8_DTYPE
+    k_scale, v_scale = kv_scales.tolist() if fp8 and kv_scales is not None else (1.0, 1.0)
+    status = lib.paged_prefill_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), q_starts.data_ptr(),
+        num_new.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        q_starts.shape[0], block_tables.shape[1], block_size, q.shape[1], num_kv_heads, head_dim,
+        scale, sliding_window or 0, torch.get_num_threads(), KV_FORMATS[k_cache.dtype], k_scale, v_scale,
+    )
+    if status != 0:
+        raise MemoryError("the CPU prefill kernel could not allocate its scratch space")

@@ -77,6 +77,20 @@ class SdpaMetadata(BatchedDecodeMetadata):
             ))
         return groups
 
+    @functools.cached_property
+    def prefill_batch(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The multi-token requests as the C prefill kernel reads them: each one's first row in the
+        batch, new tokens, context length and block table, and every row they own."""
+        qsl, device, reqs = self.query_start_loc_cpu, self.block_tables.device, self.prefill_req_indices
+        starts = [qsl[i] for i in reqs]
+        num_new = [qsl[i + 1] - qsl[i] for i in reqs]
+        width = max(cdiv(self.seq_lens_cpu[i], self.block_size) for i in reqs)
+        return (torch.tensor(starts, dtype=torch.int64, device=device),
+                torch.tensor(num_new, dtype=torch.int64, device=device),
+                torch.tensor([self.seq_lens_cpu[i] for i in reqs], dtype=torch.int64, device=device),
+                self.block_tables[torch.tensor(reqs, device=device), :width].contiguous(),
+                torch.cat([torch.arange(a, a + n, device=device) for a, n in zip(starts, num_new)]))
+
 
 def _group_by_length(reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
     """Split requests sorted by decreasing length into runs whose shortest member is at least
@@ -115,6 +129,11 @@ def paged_attention(
     elif md.num_decodes:
         _decode_in_groups(q, k_blocks, v_blocks, kv_scales, out, md, num_kv_heads, scale, sliding_window)
 
+    if md.prefill_req_indices and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
+        q_starts, num_new, seq_lens, tables, rows = md.prefill_batch
+        cpu_kernel.prefill_attention(q.contiguous(), k_cache, v_cache, out, rows, q_starts, num_new, tables, seq_lens,
+                                     scale, sliding_window, kv_scales)
+        return out
     qsl = md.query_start_loc_cpu
     for i in md.prefill_req_indices:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]

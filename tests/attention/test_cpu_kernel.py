@@ -1,6 +1,7 @@
-"""The C decode kernel (attention/cpu_kernel.py): it builds here, caches its build, agrees with the
-oracle on long contexts with windows and grouped heads, does not depend on the thread count, and
-its absence is a fallback rather than a failure. Random mixed steps are in test_sdpa.py."""
+"""The C attention kernels (attention/cpu_kernel.py), decode and prefill: they build here, cache
+their build, agree with the oracle on long contexts with windows and grouped heads, on every cache
+type and on chunks behind cached tokens, do not depend on the thread count, write only their own
+rows, and their absence is a fallback rather than a failure. Random mixed steps are in test_sdpa.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from pagedserve.attention import cpu_kernel, torch_ref
 from pagedserve.attention.kv_quant import FP8_DTYPE, dequantize, quantize
 from pagedserve.attention.metadata import BatchedDecodeMetadata
+from pagedserve.attention.sdpa import SdpaMetadata
 
 
 @pytest.fixture
@@ -112,7 +114,7 @@ def test_only_the_decode_rows_are_written():
 def test_builds_once_and_reuses_the_cached_library(tmp_path, monkeypatch, fresh_load):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     assert fresh_load() is not None
-    [built] = tmp_path.glob("paged_decode-*.so")
+    [built] = tmp_path.glob("paged_attention-*.so")
     mtime = built.stat().st_mtime_ns
     fresh_load.cache_clear()
     assert fresh_load() is not None
@@ -139,3 +141,102 @@ def test_supports_float32_and_bfloat16_on_cpu_and_whole_vectors_per_head():
     assert cpu_kernel.supports(x.bfloat16(), x.bfloat16()) and cpu_kernel.supports(x, x.bfloat16())
     assert not cpu_kernel.supports(x.half(), x.half())
     assert not cpu_kernel.supports(torch.zeros(2, 72), torch.zeros(2, 72))
+
+
+# ---- the prefill kernel ----------------------------------------------------------------------
+
+# (cached tokens, new tokens) per request: whole prompts, chunks behind cached tokens, one short
+# enough to be a single partial tile, one that crosses several tiles.
+PREFILLS = [(0, 700), (300, 45), (0, 2), (1000, 129), (17, 33)]
+
+
+def prefill_case(reqs, block_size, kv_heads, heads, dim, seed=0, decodes=()):
+    """A step of multi-token requests (and one-token ones, `decodes`: their context lengths) over a
+    random cache with shuffled block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    computed = [c for c, _ in reqs] + [s - 1 for s in decodes]
+    new = [n for _, n in reqs] + [1] * len(decodes)
+    needed = [-(-(c + n) // block_size) for c, n in zip(computed, new)]
+    perm = torch.randperm(sum(needed) + 2, generator=gen).tolist()
+    tables = [perm[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(needed))]
+    shape = (len(perm), block_size, kv_heads, dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    md = SdpaMetadata.build(tables, computed, new, block_size)
+    q = torch.randn(sum(new), heads, dim, generator=gen) * 3  # sharp softmaxes as well as flat ones
+    return q, k_cache, v_cache, md
+
+
+def run_prefill(q, k_cache, v_cache, md, scale, window, kv_scales=None):
+    out = torch.full_like(q, float("nan"))
+    q_starts, num_new, seq_lens, tables, rows = md.prefill_batch
+    cpu_kernel.prefill_attention(q, k_cache, v_cache, out, rows, q_starts, num_new, tables, seq_lens, scale, window,
+                                 kv_scales)
+    return out
+
+
+def oracle(q, k_cache, v_cache, md, scale, window, kv_scales=None, widen=None):
+    """torch_ref's attention for the step, given the K/V already in the slots (it stores them again)."""
+    kv_heads, dim = k_cache.shape[2:]
+    slots = md.slot_mapping
+    k, v = (widen or (lambda c, i: c.view(-1, kv_heads, dim)[slots].clone()))(k_cache, 0), \
+        (widen or (lambda c, i: c.view(-1, kv_heads, dim)[slots].clone()))(v_cache, 1)
+    return torch_ref.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), md, scale, window, kv_scales)
+
+
+@pytest.mark.parametrize("window", [None, 1, 100, 4096])
+@pytest.mark.parametrize("kv_heads, heads, dim", [(3, 9, 64), (1, 8, 128), (4, 4, 80)])
+def test_prefill_matches_the_oracle(window, kv_heads, heads, dim):
+    q, k_cache, v_cache, md = prefill_case(PREFILLS, 16, kv_heads, heads, dim)
+    out = run_prefill(q, k_cache, v_cache, md, dim**-0.5, window)
+    assert (out - oracle(q, k_cache, v_cache, md, dim**-0.5, window)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_prefill_reads_any_block_size(block_size):
+    q, k_cache, v_cache, md = prefill_case(PREFILLS, block_size, 2, 6, 64, seed=4)
+    out = run_prefill(q, k_cache, v_cache, md, 0.125, 50)
+    assert (out - oracle(q, k_cache, v_cache, md, 0.125, 50)).abs().max().item() < 1e-5
+
+
+def test_prefill_over_an_fp8_cache_matches_the_oracle():
+    q, k_cache, v_cache, md = prefill_case(PREFILLS, 16, 3, 9, 64, seed=2)
+    scales = torch.tensor([0.03, 0.02])
+    k8, v8 = quantize(k_cache * 5, scales[0]), quantize(v_cache, scales[1])  # subnormal to saturated e4m3 values
+    out = run_prefill(q, k8, v8, md, 0.125, 100, scales)
+
+    def widen(cache, i):
+        return dequantize(cache.view(torch.uint8).view(-1, 3, 64)[md.slot_mapping].view(FP8_DTYPE), torch.float32,
+                          scales[i])
+
+    # Scores reach ~100 here; the kernel scales them by scale x k_scale once, the oracle widens K
+    # by k_scale first: float32 rounding of the two orders differs by a few 1e-5 after softmax.
+    assert (out - oracle(q, k8, v8, md, 0.125, 100, scales, widen)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_prefill_over_a_bfloat16_cache_computes_in_float32(q_dtype):
+    q, k_cache, v_cache, md = prefill_case(PREFILLS, 16, 3, 9, 64, seed=3)
+    q, k16, v16 = q.to(q_dtype), k_cache.bfloat16(), v_cache.bfloat16()
+    out = run_prefill(q, k16, v16, md, 0.125, None)
+    expected = oracle(q.float(), k16.float(), v16.float(), md, 0.125, None)
+    assert out.dtype == q_dtype
+    assert (out.float() - expected).abs().max().item() < (1e-5 if q_dtype == torch.float32 else 2e-2)
+
+
+def test_prefill_does_not_depend_on_the_thread_count():
+    q, k_cache, v_cache, md = prefill_case(PREFILLS * 2, 16, 3, 9, 64, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_prefill(q, k_cache, v_cache, md, 0.125, None)
+        torch.set_num_threads(max(2, threads))
+        many = run_prefill(q, k_cache, v_cache, md, 0.125, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)  # each (request, tile, KV head) is summed by one thread, in one order
+
+
+def test_prefill_writes_only_the_rows_of_multi_token_requests():
+    q, k_cache, v_cache, md = prefill_case([(0, 40), (10, 7)], 4, 2, 4, 16, decodes=[30, 5])
+    out = run_prefill(q, k_cache, v_cache, md, 0.3, None)
+    assert not out[:47].isnan().any() and out[47:].isnan().all()  # the two decode rows come last

@@ -249,3 +249,232 @@ int paged_decode_attention(
     }
     return failed ? -1 : 0;
 }
+
+/* ---- Prompt attention: several new tokens per request (a whole prompt, or a chunk behind its cached tokens).
+ *
+ * A work item is one request's KV head and a tile of up to QT of its new tokens: the group's query
+ * heads for those tokens are its rows. It walks the keys those tokens may see in tiles of KT,
+ * each widened once into a transposed K tile ([head_dim][KT]: a row's KT scores are head_dim
+ * broadcast multiply-adds into one vector) and a V tile, and keeps a running softmax per row
+ * (flash attention): the scores are never written out whole. Causality and the window hide keys
+ * by position, so a chunk behind cached tokens and a whole prompt are the same case.
+ */
+#define KV_ 2              /* vectors of keys per tile */
+#define KT (KV_ * VL)       /* keys per tile */
+#define QT 32               /* new tokens per work item */
+#define RB 6                /* rows per register block: RB x KV_ score vectors, RB x 4 output vectors */
+#define OV 4                /* output vectors per pass over a tile's V rows */
+
+/* Keys j0..j0+nk-1 of KV head kvh, read through the block table: K transposed into kt[d * KT + t],
+ * V into vt[t * head_dim + d]; keys past nk are zero (their scores are hidden). */
+static inline __attribute__((always_inline)) void load_kv_tile(
+    const struct paged_kv *kv, const int64_t *table, int64_t j0, int64_t nk, int64_t kvh, const int64_t head_dim,
+    const int format, float *kt, float *vt)
+{
+    const int64_t bs = kv->block_size, stride = kv->token_stride;
+    const int64_t esize = format == KV_FP8 ? 1 : format == KV_BF16 ? 2 : sizeof(float);
+    for (int64_t t = 0; t < KT; t++) {
+        float *vrow = vt + t * head_dim;
+        if (t >= nk) {
+            for (int64_t d = 0; d < head_dim; d++)
+                kt[d * KT + t] = 0.0f, vrow[d] = 0.0f;
+            continue;
+        }
+        const int64_t j = j0 + t, slot = table[j / bs] * bs + j % bs, offset = (slot * stride + kvh * head_dim) * esize;
+        const uint8_t *krow = (const uint8_t *)kv->k_cache + offset, *vsrc = (const uint8_t *)kv->v_cache + offset;
+        for (int64_t d = 0; d < head_dim; d++) {
+            if (format == KV_F32) {
+                kt[d * KT + t] = ((const float *)krow)[d];
+                vrow[d] = ((const float *)vsrc)[d];
+            } else if (format == KV_BF16) {
+                kt[d * KT + t] = bf16_to_float(((const uint16_t *)krow)[d]);
+                vrow[d] = bf16_to_float(((const uint16_t *)vsrc)[d]);
+            } else {
+                kt[d * KT + t] = fp8_to_float(krow[d]);
+                vrow[d] = fp8_to_float(vsrc[d]);
+            }
+        }
+    }
+}
+
+static inline vec vselect(ivec mask, vec a, vec b) { return (vec)(((ivec)a & mask) | ((ivec)b & ~mask)); }
+static inline vec vmax(vec a, vec b) { return vselect(a > b, a, b); }
+
+/* The largest lane, as a tree. */
+static inline float hmax(vec v)
+{
+    v = vmax(v, __builtin_shuffle(v, (ivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    v = vmax(v, __builtin_shuffle(v, (ivec){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15}));
+    v = vmax(v, __builtin_shuffle(v, (ivec){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}));
+    v = vmax(v, __builtin_shuffle(v, (ivec){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}));
+    return v[0];
+}
+
+/* One work item: rows = group x (tokens i0..i1-1 of the request's new ones, at positions ctx + i).
+ * Row r is token i0 + r % tokens of query head kvh * group + r / tokens. */
+static inline __attribute__((always_inline)) void prefill_tile(
+    const struct paged_kv *kv, const int64_t *table, const float *q, float *out, int64_t q_start, int64_t ctx,
+    int64_t i0, int64_t i1, int64_t kvh, int64_t num_heads, int64_t group, const int64_t head_dim, float scale,
+    float v_scale, int64_t window, const int format, float *scratch)
+{
+    const int64_t tokens = i1 - i0, rows = group * tokens;
+    /* scratch: kt [head_dim * KT], vt [KT * head_dim], acc [rows * head_dim], m and l [rows] each. */
+    float *kt = scratch, *vt = kt + head_dim * KT, *acc = vt + KT * head_dim, *m = acc + rows * head_dim, *l = m + rows;
+    memset(acc, 0, sizeof(float) * rows * head_dim);
+    for (int64_t r = 0; r < rows; r++)
+        m[r] = -INFINITY, l[r] = 0.0f;
+#define ROW_OFFSET(r) (((q_start + i0 + (r) % tokens) * num_heads + kvh * group + (r) / tokens) * head_dim)
+    const int64_t last = ctx + i1 - 1; /* the tile's last position: no row sees past it */
+    const int64_t first = window > 0 && ctx + i0 - window + 1 > 0 ? ctx + i0 - window + 1 : 0;
+    ivec iota;
+    for (int i = 0; i < VL; i++)
+        iota[i] = i;
+    const vec minus_inf = (vec){0} - INFINITY;
+
+    for (int64_t j0 = first - first % KT; j0 <= last; j0 += KT) {
+        const int64_t nk = last + 1 - j0 < KT ? last + 1 - j0 : KT;
+        load_kv_tile(kv, table, j0, nk, kvh, head_dim, format, kt, vt);
+        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+            const float *qr[RB];
+            for (int64_t b = 0; b < RB; b++)
+                qr[b] = q + ROW_OFFSET(r0 + (b < nr ? b : 0));
+            /* Scores: RB rows x KT keys, head_dim broadcast multiply-adds each. */
+            vec s[RB][KV_];
+            for (int64_t b = 0; b < RB; b++)
+                for (int c = 0; c < KV_; c++)
+                    s[b][c] = (vec){0};
+            for (int64_t d = 0; d < head_dim; d++) {
+                vec k[KV_];
+                for (int c = 0; c < KV_; c++)
+                    k[c] = load(kt + d * KT + c * VL);
+                for (int64_t b = 0; b < RB; b++)
+                    for (int c = 0; c < KV_; c++)
+                        s[b][c] += qr[b][d] * k[c];
+            }
+            /* The running softmax: hide what a row may not see, rescale what it saw before. */
+            float p[RB][KT] __attribute__((aligned(64))), corr[RB];
+            for (int64_t b = 0; b < RB; b++) {
+                const int64_t r = r0 + b, pos = ctx + i0 + r % tokens;
+                float tile_max = -INFINITY;
+                for (int c = 0; c < KV_; c++) {
+                    const ivec kp = (ivec){0} + (int32_t)(j0 + c * VL - pos) + iota; /* key - query position */
+                    ivec hide = kp > 0;
+                    if (window > 0)
+                        hide |= kp <= -(int32_t)window;
+                    if (nk < KT)
+                        hide |= iota + c * VL >= (int32_t)nk;
+                    s[b][c] = vselect(hide, minus_inf, s[b][c] * scale);
+                    const float cm = hmax(s[b][c]);
+                    tile_max = cm > tile_max ? cm : tile_max;
+                }
+                if (b >= nr || (tile_max == -INFINITY && m[r] == -INFINITY)) { /* nothing visible yet */
+                    corr[b] = 1.0f;
+                    memset(p[b], 0, sizeof p[b]);
+                    continue;
+                }
+                const float m_new = tile_max > m[r] ? tile_max : m[r];
+                corr[b] = fast_exp(m[r] - m_new);
+                for (int c = 0; c < KV_; c++)
+                    store(p[b] + c * VL, s[b][c] - m_new);
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int t = 0; t < KT; t++) {
+                    p[b][t] = fast_exp(p[b][t]);
+                    sum += p[b][t];
+                }
+                m[r] = m_new;
+                l[r] = l[r] * corr[b] + sum;
+            }
+            /* acc = acc * corr + p . V, OV output vectors at a time, all RB rows in registers. */
+            for (int64_t v0 = 0; v0 < head_dim; v0 += OV * VL) {
+                vec o[RB][OV];
+                for (int64_t b = 0; b < RB; b++)
+                    for (int i = 0; i < OV; i++)
+                        o[b][i] = v0 + i * VL < head_dim ? load(acc + (r0 + (b < nr ? b : 0)) * head_dim + v0 + i * VL) * corr[b]
+                                                         : (vec){0};
+                for (int64_t t = 0; t < nk; t++) {
+                    vec v[OV];
+                    for (int i = 0; i < OV; i++)
+                        v[i] = v0 + i * VL < head_dim ? load(vt + t * head_dim + v0 + i * VL) : (vec){0};
+                    for (int64_t b = 0; b < RB; b++)
+                        for (int i = 0; i < OV; i++)
+                            o[b][i] += p[b][t] * v[i];
+                }
+                for (int64_t b = 0; b < nr; b++)
+                    for (int i = 0; i < OV; i++)
+                        if (v0 + i * VL < head_dim)
+                            store(acc + (r0 + b) * head_dim + v0 + i * VL, o[b][i]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + ROW_OFFSET(r);
+        const float inv = v_scale / l[r];
+        for (int64_t d = 0; d < head_dim; d++)
+            o[d] = acc[r * head_dim + d] * inv;
+    }
+#undef ROW_OFFSET
+}
+
+/* Request r's new tokens are rows q_starts[r]..q_starts[r] + num_new[r] - 1 of q and out, at
+ * positions seq_lens[r] - num_new[r] ... seq_lens[r] - 1; its K/V (the new tokens' included) are
+ * already in the cache. Layouts and format as for paged_decode_attention. */
+int paged_prefill_attention(
+    const float *q, const void *k_cache, const void *v_cache, float *out,
+    const int64_t *q_starts, const int64_t *num_new, const int64_t *block_tables, const int64_t *seq_lens,
+    int64_t n, int64_t table_stride, int64_t block_size,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale)
+{
+    const struct paged_kv kv = {k_cache, v_cache, block_size, num_kv_heads * head_dim};
+    const int64_t group = num_heads / num_kv_heads;
+    /* Work items (request, token tile, KV head), numbered through the requests' tile counts. */
+    int64_t *tile_start = malloc(sizeof(int64_t) * (n + 1));
+    if (tile_start == NULL)
+        return -1;
+    tile_start[0] = 0;
+    for (int64_t r = 0; r < n; r++)
+        tile_start[r + 1] = tile_start[r] + (num_new[r] + QT - 1) / QT;
+    const int64_t items = tile_start[n] * num_kv_heads;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t rows = group * QT;
+        float *scratch = malloc(sizeof(float) * (2 * head_dim * KT + rows * head_dim + 2 * rows));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (scratch == NULL)
+                continue;
+            /* Later tiles see more keys: take them first, so that the short ones fill the gaps. */
+            const int64_t tile = tile_start[n] - 1 - item / num_kv_heads, kvh = item % num_kv_heads;
+            int64_t r = 0;
+            while (tile_start[r + 1] <= tile)
+                r++;
+            const int64_t i0 = (tile - tile_start[r]) * QT, i1 = i0 + QT < num_new[r] ? i0 + QT : num_new[r];
+            const int64_t ctx = seq_lens[r] - num_new[r];
+            const int64_t *table = block_tables + r * table_stride;
+#define TILE(dim, fmt) \
+    prefill_tile(&kv, table, q, out, q_starts[r], ctx, i0, i1, kvh, num_heads, group, dim, scale * k_scale, \
+                 v_scale, window, fmt, scratch)
+#define TILE_FORMATS(dim) \
+    (format == KV_FP8 ? TILE(dim, KV_FP8) : format == KV_BF16 ? TILE(dim, KV_BF16) : TILE(dim, KV_F32))
+            if (head_dim == 64)
+                TILE_FORMATS(64);
+            else if (head_dim == 128)
+                TILE_FORMATS(128);
+            else
+                TILE_FORMATS(head_dim);
+#undef TILE_FORMATS
+#undef TILE
+        }
+        free(scratch);
+    }
+    free(tile_start);
+    return failed ? -1 : 0;
+}
