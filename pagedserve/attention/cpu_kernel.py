@@ -1,13 +1,19 @@
-"""The C decode-attention kernel for CPUs (csrc/paged_attention.c): load, call.
+"""The C attention kernels for CPUs (csrc/paged_attention.c), decode and prefill: load, call.
 
 Decode attention is memory-bound: a step reads every running request's whole context. Gathering
 the context into a padded tensor for SDPA copies it (read, write, read again); the kernel reads
 each K/V row in place through the block table, once: on the 2-core test machine, 64 decodes with
 ~240 tokens of context each took 0.7 ms per layer against 5-8 ms for the SDPA path.
 
-`pagedserve/native.py` compiles it on first use and caches the build. Without a compiler, or with
-PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls back to the SDPA path (a
-warning says why, once).
+Prompt attention is compute-bound: the prefill kernel takes every multi-token request of a step
+in one call, in flash-style tiles (a running softmax; the scores are never written out whole),
+reading K/V through the block tables, so a chunk behind cached tokens needs no gathered copy. On
+the same machine, one 512-token prompt of the embedded model took 1.5 ms per layer against 3.9 ms
+in torch's fused CPU attention (2,048 tokens: 23 against 35 ms).
+
+`pagedserve/native.py` compiles them on first use and caches the build. Without a compiler, or
+with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls back to torch's SDPA
+(a warning says why, once).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ VECTOR_WIDTH = 16  # floats per vector in the kernel (VL): head_dim must be a mu
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, compiled if needed; None if it is disabled or cannot be built."""
-    lib = native.optional_library("paged_attention", "decode attention uses the slower SDPA path")
+    lib = native.optional_library("paged_attention", "attention uses the slower SDPA paths")
     if lib is None:
         return None
     fn = lib.paged_decode_attention

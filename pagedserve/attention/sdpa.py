@@ -11,9 +11,12 @@ requests (decodes), batched, and the others, one at a time (`BatchedDecodeMetada
   block at a time (`index_select` of contiguous rows) and read as [batch, kv_heads, keys, dim]
   strided views, stays in cache while SDPA reads it. Within a group, the query heads that share a
   KV head are that head's query rows, so grouped-query attention copies nothing;
-- multi-token requests (prompts, chunks) run one at a time through torch's fused CPU attention
-  (flash-style tiles: the scores are never materialised), or, for short bfloat16 prompts, in
-  `attend`, transformers' eager order of operations (`_attend_prompt` says when and why);
+- on CPU, multi-token requests (prompts, chunks behind cached tokens) run all together in the C
+  prefill kernel of `cpu_kernel` (flash-style tiles read through the block tables), except short
+  bfloat16 prompts, which run in `attend`, transformers' eager order of operations
+  (EAGER_BF16_MAX_SCORES says why);
+- elsewhere, multi-token requests run one at a time through torch's fused attention (scores never
+  materialised), or in `attend` for short bfloat16 prompts (`_attend_prompt`);
 - masks are built once per step by the first layer and reused by the others (`md.masks`);
 - an fp8 cache is gathered as bytes and dequantized per group or request (`kv_cache.gather_blocks`).
 """
@@ -58,7 +61,7 @@ class SdpaMetadata(BatchedDecodeMetadata):
     first use: the C kernel, when it runs, needs none) and the masks the first layer builds for
     the others."""
 
-    masks: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
+    masks: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # and the kernel's batches
 
     @functools.cached_property
     def decode_groups(self) -> list[DecodeGroup]:
@@ -77,19 +80,23 @@ class SdpaMetadata(BatchedDecodeMetadata):
             ))
         return groups
 
-    @functools.cached_property
-    def prefill_batch(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """The multi-token requests as the C prefill kernel reads them: each one's first row in the
-        batch, new tokens, context length and block table, and every row they own."""
-        qsl, device, reqs = self.query_start_loc_cpu, self.block_tables.device, self.prefill_req_indices
-        starts = [qsl[i] for i in reqs]
-        num_new = [qsl[i + 1] - qsl[i] for i in reqs]
-        width = max(cdiv(self.seq_lens_cpu[i], self.block_size) for i in reqs)
-        return (torch.tensor(starts, dtype=torch.int64, device=device),
+    def prefill_batch(self, reqs: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Multi-token requests `reqs` as the C prefill kernel reads them: each one's first row in
+        the batch, new tokens, context length and block table, and every row they own (built by the
+        first layer, reused by the others)."""
+        key = ("prefill_batch", reqs)
+        if key not in self.masks:
+            qsl, device = self.query_start_loc_cpu, self.block_tables.device
+            starts = [qsl[i] for i in reqs]
+            num_new = [qsl[i + 1] - qsl[i] for i in reqs]
+            width = max(cdiv(self.seq_lens_cpu[i], self.block_size) for i in reqs)
+            self.masks[key] = (
+                torch.tensor(starts, dtype=torch.int64, device=device),
                 torch.tensor(num_new, dtype=torch.int64, device=device),
                 torch.tensor([self.seq_lens_cpu[i] for i in reqs], dtype=torch.int64, device=device),
                 self.block_tables[torch.tensor(reqs, device=device), :width].contiguous(),
                 torch.cat([torch.arange(a, a + n, device=device) for a, n in zip(starts, num_new)]))
+        return self.masks[key]
 
 
 def _group_by_length(reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -129,13 +136,15 @@ def paged_attention(
     elif md.num_decodes:
         _decode_in_groups(q, k_blocks, v_blocks, kv_scales, out, md, num_kv_heads, scale, sliding_window)
 
-    if md.prefill_req_indices and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
-        q_starts, num_new, seq_lens, tables, rows = md.prefill_batch
-        cpu_kernel.prefill_attention(q.contiguous(), k_cache, v_cache, out, rows, q_starts, num_new, tables, seq_lens,
-                                     scale, sliding_window, kv_scales)
-        return out
-    qsl = md.query_start_loc_cpu
-    for i in md.prefill_req_indices:
+    qsl, prefills = md.query_start_loc_cpu, md.prefill_req_indices
+    if prefills and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
+        eager = [i for i in prefills if _eager_bf16(q.dtype, qsl[i + 1] - qsl[i], md.seq_lens_cpu[i])]
+        if in_kernel := tuple(i for i in prefills if i not in eager):
+            q_starts, num_new, seq_lens, tables, rows = md.prefill_batch(in_kernel)
+            cpu_kernel.prefill_attention(q.contiguous(), k_cache, v_cache, out, rows, q_starts, num_new, tables,
+                                         seq_lens, scale, sliding_window, kv_scales)
+        prefills = eager
+    for i in prefills:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
         blocks = md.block_tables[i, : cdiv(seq_len, block_size)]
         keys = gather_blocks(k_blocks, blocks, q.dtype, kv_scales[0]).view(-1, num_kv_heads, head_dim)[:seq_len]
@@ -144,12 +153,17 @@ def paged_attention(
     return out
 
 
-# Below this many query x key positions a bfloat16 prompt runs faster in the eager order (its two
-# matmuls in oneDNN's bf16 kernels) than in torch's fused CPU attention, which computes bf16 in
-# float32: on the 2-core test machine a 512-token prompt took 2.7 ms eager, 3.8 ms fused. Past it,
-# and for float32 at every size (0.09 against 0.17 ms at 64 tokens, 35 against 266 ms at 2048),
-# the fused kernel wins: it never materialises the [heads, queries, keys] scores.
+# Up to this many query x key positions, a bfloat16 prompt runs in the eager order (`attend`), which
+# rounds where transformers' eager attention rounds (scores and probabilities in bf16): greedy bf16
+# output then agrees with transformers' more often. With every bf16 prompt in the C kernel, which
+# computes in float32, 18 of scripts/bf16_agreement.py's 32 requests were identical, against 22
+# (vLLM: 19). Past it the kernel takes them; eager would also be slower (2.7 ms against the kernel's
+# 1.5 for a 512-token prompt on the 2-core test machine) and its scores grow with the square.
 EAGER_BF16_MAX_SCORES = 512 * 512
+
+
+def _eager_bf16(dtype: torch.dtype, num_new: int, seq_len: int) -> bool:
+    return dtype == torch.bfloat16 and num_new * seq_len <= EAGER_BF16_MAX_SCORES
 
 
 def _attend_prompt(q: Tensor, keys: Tensor, values: Tensor, md: SdpaMetadata, i: int, scale: float,
@@ -157,7 +171,7 @@ def _attend_prompt(q: Tensor, keys: Tensor, values: Tensor, md: SdpaMetadata, i:
     """Attention of multi-token request i's new tokens q [n, heads, dim] over its whole context
     keys, values [seq_len, kv_heads, dim]."""
     (n, num_heads, dim), (seq_len, num_kv_heads, _) = q.shape, keys.shape
-    if q.dtype == torch.bfloat16 and n * seq_len <= EAGER_BF16_MAX_SCORES:
+    if _eager_bf16(q.dtype, n, seq_len):
         return attend(q[None], keys[None], values[None], _prefill_mask(md, i, window)[None], scale)[0]
     if n == seq_len and window is None:  # a whole prompt: plain causal, no mask to read
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],

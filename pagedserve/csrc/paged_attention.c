@@ -1,12 +1,13 @@
-/* Decode attention over a paged KV cache, for CPUs, in float32, over a float32, bfloat16 or fp8 cache.
+/* Attention over a paged KV cache, for CPUs, in float32, over a float32, bfloat16 or fp8 cache:
+ * paged_decode_attention for one-token requests, paged_prefill_attention (at the end) for the rest.
  *
- * Each request brings one query token and reads its K/V in place through its block table: no
+ * Decode: each request brings one query token and reads its K/V in place through its block table: no
  * gathered copy of the context is ever made, so every K/V row crosses the memory bus once per
  * step. Threads take whole requests; within one, each block's K/V rows (all KV heads, contiguous)
  * are read in order and reused from L1 by the query heads that share them.
  *
  * Built by pagedserve/native.py with the system C compiler on first use and called
- * through ctypes; tests/attention/test_cpu_kernel.py holds it against the torch oracle.
+ * through ctypes; tests/attention/test_cpu_kernel.py holds both against the torch oracle.
  *
  * Layouts (C-contiguous):
  *   q, out           [num_tokens, num_heads, head_dim]   only rows token_indices[r] are used

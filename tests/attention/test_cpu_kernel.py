@@ -168,7 +168,7 @@ def prefill_case(reqs, block_size, kv_heads, heads, dim, seed=0, decodes=()):
 
 def run_prefill(q, k_cache, v_cache, md, scale, window, kv_scales=None):
     out = torch.full_like(q, float("nan"))
-    q_starts, num_new, seq_lens, tables, rows = md.prefill_batch
+    q_starts, num_new, seq_lens, tables, rows = md.prefill_batch(tuple(md.prefill_req_indices))
     cpu_kernel.prefill_attention(q, k_cache, v_cache, out, rows, q_starts, num_new, tables, seq_lens, scale, window,
                                  kv_scales)
     return out
