@@ -8,8 +8,8 @@ each K/V row in place through the block table, once: on the 2-core test machine,
 Prompt attention is compute-bound: the prefill kernel takes every multi-token request of a step
 in one call, in flash-style tiles (a running softmax; the scores are never written out whole),
 reading K/V through the block tables, so a chunk behind cached tokens needs no gathered copy. On
-the same machine, one 512-token prompt of the embedded model took 1.5 ms per layer against 3.9 ms
-in torch's fused CPU attention (2,048 tokens: 23 against 35 ms).
+the same machine, one 512-token prompt of the embedded model took 1.2 ms per layer against 3.5 ms
+in torch's fused CPU attention (2,048 tokens: 17.6 against 35 ms).
 
 `pagedserve/native.py` compiles them on first use and caches the build. Without a compiler, or
 with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls back to torch's SDPA

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from pagedserve import hugepages
 from pagedserve.attention.kv_quant import as_bytes, dequantize, is_fp8, quantize
 from pagedserve.kv.sizes import kv_bytes_per_token
 
@@ -46,11 +47,12 @@ def allocate_kv_cache(
     probability-weighted sum of V.
     """
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                torch.ones(2, dtype=torch.float32, device=device))
-        for _ in range(num_layers)
-    ]
+
+    def zeros() -> Tensor:  # on CPU in 2 MiB pages where the OS allows (hugepages.py says why)
+        return hugepages.zeros(shape, dtype) if torch.device(device).type == "cpu" else \
+            torch.zeros(shape, dtype=dtype, device=device)
+
+    return [KVCache(zeros(), zeros(), torch.ones(2, dtype=torch.float32, device=device)) for _ in range(num_layers)]
 
 
 def num_blocks_for_bytes(

@@ -158,7 +158,7 @@ def paged_attention(
 # output then agrees with transformers' more often. With every bf16 prompt in the C kernel, which
 # computes in float32, 18 of scripts/bf16_agreement.py's 32 requests were identical, against 22
 # (vLLM: 19). Past it the kernel takes them; eager would also be slower (2.7 ms against the kernel's
-# 1.5 for a 512-token prompt on the 2-core test machine) and its scores grow with the square.
+# 1.2 for a 512-token prompt on the 2-core test machine) and its scores grow with the square.
 EAGER_BF16_MAX_SCORES = 512 * 512
 
 

@@ -253,45 +253,47 @@ int paged_decode_attention(
 
 /* ---- Prompt attention: several new tokens per request (a whole prompt, or a chunk behind its cached tokens).
  *
- * A work item is one request's KV head and a tile of up to QT of its new tokens: the group's query
- * heads for those tokens are its rows. It walks the keys those tokens may see in tiles of KT,
- * each widened once into a transposed K tile ([head_dim][KT]: a row's KT scores are head_dim
- * broadcast multiply-adds into one vector) and a V tile, and keeps a running softmax per row
- * (flash attention): the scores are never written out whole. Causality and the window hide keys
- * by position, so a chunk behind cached tokens and a whole prompt are the same case.
+ * First each request's visible keys are staged once per KV head, widened to float32: K transposed
+ * ([head_dim][keys]: a row's scores for KT keys are then head_dim broadcast multiply-adds into
+ * KT / VL vectors) and V as rows. Then a work item is one request's KV head and a tile of up to QT
+ * of its new tokens (the group's query heads for those tokens are its rows); it walks the keys
+ * those tokens may see in tiles of KT and keeps a running softmax per row (flash attention): the
+ * scores are never written out whole. Causality and the window hide keys by position, so a chunk
+ * behind cached tokens and a whole prompt are the same case.
  */
-#define KV_ 2              /* vectors of keys per tile */
-#define KT (KV_ * VL)       /* keys per tile */
-#define QT 32               /* new tokens per work item */
-#define RB 6                /* rows per register block: RB x KV_ score vectors, RB x 4 output vectors */
-#define OV 4                /* output vectors per pass over a tile's V rows */
+#define KV_ 4         /* vectors of keys per tile */
+#define KT (KV_ * VL) /* keys per tile */
+#define QT 32         /* new tokens per work item */
+#define RB 6          /* rows per register block: RB x KV_ score vectors, RB x OV output vectors */
+#define OV 4          /* output vectors per pass over a tile's V rows */
 
-/* Keys j0..j0+nk-1 of KV head kvh, read through the block table: K transposed into kt[d * KT + t],
- * V into vt[t * head_dim + d]; keys past nk are zero (their scores are hidden). */
-static inline __attribute__((always_inline)) void load_kv_tile(
-    const struct paged_kv *kv, const int64_t *table, int64_t j0, int64_t nk, int64_t kvh, const int64_t head_dim,
-    const int format, float *kt, float *vt)
+/* Keys j0..j0+KT-1 of KV head kvh, read through the block table: K into kt[d * kt_stride + t], V
+ * into vt[t * head_dim + d]; keys from len on are zero (never visible, but must be finite). */
+static inline __attribute__((always_inline)) void stage_kv_tile(
+    const struct paged_kv *kv, const int64_t *table, int64_t j0, int64_t len, int64_t kvh, const int64_t head_dim,
+    const int format, float *kt, int64_t kt_stride, float *vt)
 {
     const int64_t bs = kv->block_size, stride = kv->token_stride;
     const int64_t esize = format == KV_FP8 ? 1 : format == KV_BF16 ? 2 : sizeof(float);
     for (int64_t t = 0; t < KT; t++) {
+        const int64_t j = j0 + t;
         float *vrow = vt + t * head_dim;
-        if (t >= nk) {
+        if (j >= len) {
             for (int64_t d = 0; d < head_dim; d++)
-                kt[d * KT + t] = 0.0f, vrow[d] = 0.0f;
+                kt[d * kt_stride + t] = 0.0f, vrow[d] = 0.0f;
             continue;
         }
-        const int64_t j = j0 + t, slot = table[j / bs] * bs + j % bs, offset = (slot * stride + kvh * head_dim) * esize;
+        const int64_t slot = table[j / bs] * bs + j % bs, offset = (slot * stride + kvh * head_dim) * esize;
         const uint8_t *krow = (const uint8_t *)kv->k_cache + offset, *vsrc = (const uint8_t *)kv->v_cache + offset;
         for (int64_t d = 0; d < head_dim; d++) {
             if (format == KV_F32) {
-                kt[d * KT + t] = ((const float *)krow)[d];
+                kt[d * kt_stride + t] = ((const float *)krow)[d];
                 vrow[d] = ((const float *)vsrc)[d];
             } else if (format == KV_BF16) {
-                kt[d * KT + t] = bf16_to_float(((const uint16_t *)krow)[d]);
+                kt[d * kt_stride + t] = bf16_to_float(((const uint16_t *)krow)[d]);
                 vrow[d] = bf16_to_float(((const uint16_t *)vsrc)[d]);
             } else {
-                kt[d * KT + t] = fp8_to_float(krow[d]);
+                kt[d * kt_stride + t] = fp8_to_float(krow[d]);
                 vrow[d] = fp8_to_float(vsrc[d]);
             }
         }
@@ -312,15 +314,17 @@ static inline float hmax(vec v)
 }
 
 /* One work item: rows = group x (tokens i0..i1-1 of the request's new ones, at positions ctx + i).
- * Row r is token i0 + r % tokens of query head kvh * group + r / tokens. */
+ * Row r is token i0 + r % tokens of query head kvh * group + r / tokens. kt, vt: this request's
+ * staged K and V for this KV head, from key staged_from on, tile by tile: each tile's K transposed
+ * ([head_dim][KT], contiguous), its V as KT rows. */
 static inline __attribute__((always_inline)) void prefill_tile(
-    const struct paged_kv *kv, const int64_t *table, const float *q, float *out, int64_t q_start, int64_t ctx,
-    int64_t i0, int64_t i1, int64_t kvh, int64_t num_heads, int64_t group, const int64_t head_dim, float scale,
-    float v_scale, int64_t window, const int format, float *scratch)
+    const float *kt, const float *vt, int64_t staged_from, const float *q, float *out,
+    int64_t q_start, int64_t ctx, int64_t i0, int64_t i1, int64_t kvh, int64_t num_heads, int64_t group,
+    const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch)
 {
     const int64_t tokens = i1 - i0, rows = group * tokens;
-    /* scratch: kt [head_dim * KT], vt [KT * head_dim], acc [rows * head_dim], m and l [rows] each. */
-    float *kt = scratch, *vt = kt + head_dim * KT, *acc = vt + KT * head_dim, *m = acc + rows * head_dim, *l = m + rows;
+    /* scratch: acc [rows * head_dim], m and l [rows] each. */
+    float *acc = scratch, *m = acc + rows * head_dim, *l = m + rows;
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t r = 0; r < rows; r++)
         m[r] = -INFINITY, l[r] = 0.0f;
@@ -334,7 +338,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
 
     for (int64_t j0 = first - first % KT; j0 <= last; j0 += KT) {
         const int64_t nk = last + 1 - j0 < KT ? last + 1 - j0 : KT;
-        load_kv_tile(kv, table, j0, nk, kvh, head_dim, format, kt, vt);
+        const float *kj = kt + (j0 - staged_from) * head_dim, *vj = vt + (j0 - staged_from) * head_dim;
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
             const float *qr[RB];
@@ -348,7 +352,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
             for (int64_t d = 0; d < head_dim; d++) {
                 vec k[KV_];
                 for (int c = 0; c < KV_; c++)
-                    k[c] = load(kt + d * KT + c * VL);
+                    k[c] = load(kj + d * KT + c * VL);
                 for (int64_t b = 0; b < RB; b++)
                     for (int c = 0; c < KV_; c++)
                         s[b][c] += qr[b][d] * k[c];
@@ -363,8 +367,6 @@ static inline __attribute__((always_inline)) void prefill_tile(
                     ivec hide = kp > 0;
                     if (window > 0)
                         hide |= kp <= -(int32_t)window;
-                    if (nk < KT)
-                        hide |= iota + c * VL >= (int32_t)nk;
                     s[b][c] = vselect(hide, minus_inf, s[b][c] * scale);
                     const float cm = hmax(s[b][c]);
                     tile_max = cm > tile_max ? cm : tile_max;
@@ -392,12 +394,13 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 vec o[RB][OV];
                 for (int64_t b = 0; b < RB; b++)
                     for (int i = 0; i < OV; i++)
-                        o[b][i] = v0 + i * VL < head_dim ? load(acc + (r0 + (b < nr ? b : 0)) * head_dim + v0 + i * VL) * corr[b]
-                                                         : (vec){0};
+                        o[b][i] = v0 + i * VL < head_dim
+                                      ? load(acc + (r0 + (b < nr ? b : 0)) * head_dim + v0 + i * VL) * corr[b]
+                                      : (vec){0};
                 for (int64_t t = 0; t < nk; t++) {
                     vec v[OV];
                     for (int i = 0; i < OV; i++)
-                        v[i] = v0 + i * VL < head_dim ? load(vt + t * head_dim + v0 + i * VL) : (vec){0};
+                        v[i] = v0 + i * VL < head_dim ? load(vj + t * head_dim + v0 + i * VL) : (vec){0};
                     for (int64_t b = 0; b < RB; b++)
                         for (int i = 0; i < OV; i++)
                             o[b][i] += p[b][t] * v[i];
@@ -418,6 +421,13 @@ static inline __attribute__((always_inline)) void prefill_tile(
 #undef ROW_OFFSET
 }
 
+/* The first key any new token of a request may see, rounded down to a tile. */
+static inline int64_t staged_from(int64_t ctx, int64_t window)
+{
+    const int64_t first = window > 0 && ctx - window + 1 > 0 ? ctx - window + 1 : 0;
+    return first - first % KT;
+}
+
 /* Request r's new tokens are rows q_starts[r]..q_starts[r] + num_new[r] - 1 of q and out, at
  * positions seq_lens[r] - num_new[r] ... seq_lens[r] - 1; its K/V (the new tokens' included) are
  * already in the cache. Layouts and format as for paged_decode_attention. */
@@ -430,26 +440,52 @@ int paged_prefill_attention(
 {
     const struct paged_kv kv = {k_cache, v_cache, block_size, num_kv_heads * head_dim};
     const int64_t group = num_heads / num_kv_heads;
-    /* Work items (request, token tile, KV head), numbered through the requests' tile counts. */
-    int64_t *tile_start = malloc(sizeof(int64_t) * (n + 1));
+    /* Per request: its first query tile, first staged key tile, and where its staged K/V start. */
+    int64_t *tile_start = malloc(sizeof(int64_t) * 3 * (n + 1));
     if (tile_start == NULL)
         return -1;
-    tile_start[0] = 0;
-    for (int64_t r = 0; r < n; r++)
+    int64_t *key_tile_start = tile_start + n + 1, *stage_offset = key_tile_start + n + 1;
+    tile_start[0] = key_tile_start[0] = stage_offset[0] = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t key_tiles = (seq_lens[r] - staged_from(seq_lens[r] - num_new[r], window) + KT - 1) / KT;
         tile_start[r + 1] = tile_start[r] + (num_new[r] + QT - 1) / QT;
-    const int64_t items = tile_start[n] * num_kv_heads;
+        key_tile_start[r + 1] = key_tile_start[r] + key_tiles;
+        stage_offset[r + 1] = stage_offset[r] + 2 * num_kv_heads * key_tiles * KT * head_dim;
+    }
+    float *staged = malloc(sizeof(float) * stage_offset[n]);
+    if (staged == NULL) {
+        free(tile_start);
+        return -1;
+    }
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
     {
+        /* Stage every request's keys, tile by tile and KV head by KV head. */
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < key_tile_start[n] * num_kv_heads; item++) {
+            const int64_t key_tile = item / num_kv_heads, kvh = item % num_kv_heads;
+            int64_t r = 0;
+            while (key_tile_start[r + 1] <= key_tile)
+                r++;
+            const int64_t width = (key_tile_start[r + 1] - key_tile_start[r]) * KT, t = key_tile - key_tile_start[r];
+            const int64_t from = staged_from(seq_lens[r] - num_new[r], window);
+            float *kt = staged + stage_offset[r] + kvh * 2 * width * head_dim, *vt = kt + width * head_dim;
+#define STAGE(fmt) \
+    stage_kv_tile(&kv, block_tables + r * table_stride, from + t * KT, seq_lens[r], kvh, head_dim, fmt, \
+                  kt + t * KT * head_dim, KT, vt + t * KT * head_dim)
+            format == KV_FP8 ? STAGE(KV_FP8) : format == KV_BF16 ? STAGE(KV_BF16) : STAGE(KV_F32);
+#undef STAGE
+        }
+        /* (the loop's implicit barrier: every key is staged before any tile reads it) */
         const int64_t rows = group * QT;
-        float *scratch = malloc(sizeof(float) * (2 * head_dim * KT + rows * head_dim + 2 * rows));
+        float *scratch = malloc(sizeof(float) * (rows * head_dim + 2 * rows));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
+        for (int64_t item = 0; item < tile_start[n] * num_kv_heads; item++) {
             if (scratch == NULL)
                 continue;
             /* Later tiles see more keys: take them first, so that the short ones fill the gaps. */
@@ -458,24 +494,22 @@ int paged_prefill_attention(
             while (tile_start[r + 1] <= tile)
                 r++;
             const int64_t i0 = (tile - tile_start[r]) * QT, i1 = i0 + QT < num_new[r] ? i0 + QT : num_new[r];
-            const int64_t ctx = seq_lens[r] - num_new[r];
-            const int64_t *table = block_tables + r * table_stride;
-#define TILE(dim, fmt) \
-    prefill_tile(&kv, table, q, out, q_starts[r], ctx, i0, i1, kvh, num_heads, group, dim, scale * k_scale, \
-                 v_scale, window, fmt, scratch)
-#define TILE_FORMATS(dim) \
-    (format == KV_FP8 ? TILE(dim, KV_FP8) : format == KV_BF16 ? TILE(dim, KV_BF16) : TILE(dim, KV_F32))
+            const int64_t ctx = seq_lens[r] - num_new[r], width = (key_tile_start[r + 1] - key_tile_start[r]) * KT;
+            const float *kt = staged + stage_offset[r] + kvh * 2 * width * head_dim, *vt = kt + width * head_dim;
+#define TILE(dim) \
+    prefill_tile(kt, vt, staged_from(ctx, window), q, out, q_starts[r], ctx, i0, i1, kvh, num_heads, group, \
+                 dim, scale * k_scale, v_scale, window, scratch)
             if (head_dim == 64)
-                TILE_FORMATS(64);
+                TILE(64);
             else if (head_dim == 128)
-                TILE_FORMATS(128);
+                TILE(128);
             else
-                TILE_FORMATS(head_dim);
-#undef TILE_FORMATS
+                TILE(head_dim);
 #undef TILE
         }
         free(scratch);
     }
+    free(staged);
     free(tile_start);
     return failed ? -1 : 0;
 }
