@@ -60,6 +60,14 @@ def supports(q: Tensor, k_cache: Tensor) -> bool:
             and k_cache.shape[-1] % VECTOR_WIDTH == 0)
 
 
+def _in_float32(kernel, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, rows: Tensor, *rest) -> None:
+    """kernel(...) for bfloat16 q and out: the kernels compute in float32, so q is widened and
+    out's `rows` (the only ones the kernel writes) are rounded once at the end."""
+    out32 = torch.empty(q.shape, dtype=torch.float32)
+    kernel(q.float(), k_cache, v_cache, out32, rows, *rest)
+    out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
+
+
 def decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -82,11 +90,8 @@ def decode_attention(
     [n, >= max blocks] int64. Requires `load()` to have returned a library.
     """
     if q.dtype != torch.float32:
-        out32 = torch.empty(q.shape, dtype=torch.float32)
-        decode_attention(q.float(), k_cache, v_cache, out32, token_indices, block_tables, seq_lens, scale,
-                         sliding_window, kv_scales)
-        out.index_copy_(0, token_indices, out32.index_select(0, token_indices).to(out.dtype))
-        return
+        return _in_float32(decode_attention, q, k_cache, v_cache, out, token_indices, block_tables, seq_lens, scale,
+                           sliding_window, kv_scales)
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     n, num_heads = token_indices.shape[0], q.shape[1]
@@ -126,11 +131,8 @@ def prefill_attention(
     (only these rows of out are written). q, out: float32 or bfloat16 (computed in float32, as in
     `decode_attention`); the rest as for `decode_attention`; q_starts, num_new, seq_lens: [n] int64."""
     if q.dtype != torch.float32:
-        out32 = torch.empty(q.shape, dtype=torch.float32)
-        prefill_attention(q.float(), k_cache, v_cache, out32, rows, q_starts, num_new, block_tables, seq_lens,
-                          scale, sliding_window, kv_scales)
-        out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
-        return
+        return _in_float32(prefill_attention, q, k_cache, v_cache, out, rows, q_starts, num_new, block_tables,
+                           seq_lens, scale, sliding_window, kv_scales)
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for t in (q, out, k_cache, v_cache, q_starts, num_new, block_tables, seq_lens):

@@ -58,10 +58,10 @@ class DecodeGroup:
 @dataclass(kw_only=True)
 class SdpaMetadata(BatchedDecodeMetadata):
     """The split step, plus what only this backend reads: decode groups for the SDPA path (built on
-    first use: the C kernel, when it runs, needs none) and the masks the first layer builds for
-    the others."""
+    first use: the C kernel, when it runs, needs none), and the masks and prefill-kernel batches
+    the first layer builds for the others (in `masks`)."""
 
-    masks: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # and the kernel's batches
+    masks: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @functools.cached_property
     def decode_groups(self) -> list[DecodeGroup]:

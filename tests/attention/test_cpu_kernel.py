@@ -90,16 +90,21 @@ def test_bfloat16_cache_matches_the_oracle_in_float32(q_dtype, kv_heads, heads, 
     assert (out.float() - expected).abs().max().item() < (1e-5 if q_dtype == torch.float32 else 2e-2)
 
 
-def test_result_does_not_depend_on_the_thread_count():
-    q, k_cache, v_cache, md = decode_case([300, 5, 1200, 64] * 4, 16, 3, 9, 64, seed=1)
+def on_one_and_on_several_threads(run):
+    """run() with torch (and so the kernels) on one thread, then on at least two."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run_kernel(q, k_cache, v_cache, md, 0.125, None)
+        one = run()
         torch.set_num_threads(max(2, threads))
-        many = run_kernel(q, k_cache, v_cache, md, 0.125, None)
+        return one, run()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_result_does_not_depend_on_the_thread_count():
+    q, k_cache, v_cache, md = decode_case([300, 5, 1200, 64] * 4, 16, 3, 9, 64, seed=1)
+    one, many = on_one_and_on_several_threads(lambda: run_kernel(q, k_cache, v_cache, md, 0.125, None))
     assert torch.equal(one, many)  # each (request, KV head) is summed by one thread, in one order
 
 
@@ -225,14 +230,7 @@ def test_prefill_over_a_bfloat16_cache_computes_in_float32(q_dtype):
 
 def test_prefill_does_not_depend_on_the_thread_count():
     q, k_cache, v_cache, md = prefill_case(PREFILLS * 2, 16, 3, 9, 64, seed=1)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run_prefill(q, k_cache, v_cache, md, 0.125, None)
-        torch.set_num_threads(max(2, threads))
-        many = run_prefill(q, k_cache, v_cache, md, 0.125, None)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = on_one_and_on_several_threads(lambda: run_prefill(q, k_cache, v_cache, md, 0.125, None))
     assert torch.equal(one, many)  # each (request, tile, KV head) is summed by one thread, in one order
 
 
