@@ -80,23 +80,30 @@ class SdpaMetadata(BatchedDecodeMetadata):
             ))
         return groups
 
+    def prefill_split(self, dtype: torch.dtype) -> tuple[list[int], tuple[Tensor, ...] | None]:
+        """The multi-token requests that run in the eager order in `dtype` (short bfloat16 prompts),
+        and the C prefill kernel's batch of the others (None if there are none): built by the first
+        layer, reused by the others."""
+        key = ("prefill_split", dtype)
+        if key not in self.masks:
+            qsl, lens = self.query_start_loc_cpu, self.seq_lens_cpu
+            eager = [i for i in self.prefill_req_indices if _eager_bf16(dtype, qsl[i + 1] - qsl[i], lens[i])]
+            in_kernel = tuple(sorted(set(self.prefill_req_indices) - set(eager)))
+            self.masks[key] = (eager, self.prefill_batch(in_kernel) if in_kernel else None)
+        return self.masks[key]
+
     def prefill_batch(self, reqs: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Multi-token requests `reqs` as the C prefill kernel reads them: each one's first row in
-        the batch, new tokens, context length and block table, and every row they own (built by the
-        first layer, reused by the others)."""
-        key = ("prefill_batch", reqs)
-        if key not in self.masks:
-            qsl, device = self.query_start_loc_cpu, self.block_tables.device
-            starts = [qsl[i] for i in reqs]
-            num_new = [qsl[i + 1] - qsl[i] for i in reqs]
-            width = max(cdiv(self.seq_lens_cpu[i], self.block_size) for i in reqs)
-            self.masks[key] = (
-                torch.tensor(starts, dtype=torch.int64, device=device),
+        the batch, new tokens, context length and block table, and every row they own."""
+        qsl, device = self.query_start_loc_cpu, self.block_tables.device
+        starts = [qsl[i] for i in reqs]
+        num_new = [qsl[i + 1] - qsl[i] for i in reqs]
+        width = max(cdiv(self.seq_lens_cpu[i], self.block_size) for i in reqs)
+        return (torch.tensor(starts, dtype=torch.int64, device=device),
                 torch.tensor(num_new, dtype=torch.int64, device=device),
                 torch.tensor([self.seq_lens_cpu[i] for i in reqs], dtype=torch.int64, device=device),
                 self.block_tables[torch.tensor(reqs, device=device), :width].contiguous(),
                 torch.cat([torch.arange(a, a + n, device=device) for a, n in zip(starts, num_new)]))
-        return self.masks[key]
 
 
 def _group_by_length(reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -138,12 +145,11 @@ def paged_attention(
 
     qsl, prefills = md.query_start_loc_cpu, md.prefill_req_indices
     if prefills and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
-        eager = [i for i in prefills if _eager_bf16(q.dtype, qsl[i + 1] - qsl[i], md.seq_lens_cpu[i])]
-        if in_kernel := tuple(i for i in prefills if i not in eager):
-            q_starts, num_new, seq_lens, tables, rows = md.prefill_batch(in_kernel)
+        prefills, batch = md.prefill_split(q.dtype)
+        if batch is not None:
+            q_starts, num_new, seq_lens, tables, rows = batch
             cpu_kernel.prefill_attention(q.contiguous(), k_cache, v_cache, out, rows, q_starts, num_new, tables,
                                          seq_lens, scale, sliding_window, kv_scales)
-        prefills = eager
     for i in prefills:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
         blocks = md.block_tables[i, : cdiv(seq_len, block_size)]

@@ -96,12 +96,11 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def launch(system: str, model_name: str, dtype: str = "float32", vllm_python: str | None = None,
-           hf_model_dir: str | None = None, api_key: str | None = None, ready_timeout_s: float = 600.0,
-           log_dir: str | None = None) -> Iterator[LaunchedServer]:
+           hf_model_dir: str | None = None, api_key: str | None = None,
+           ready_timeout_s: float = 600.0) -> Iterator[LaunchedServer]:
     port = free_port()
     cmd, env = server_command(system, port, model_name, dtype, vllm_python, hf_model_dir, api_key)
-    log_dir = log_dir or tempfile.mkdtemp(prefix="pagedserve-bench-")
-    log_path = os.path.join(log_dir, f"{system}-server.log")
+    log_path = os.path.join(tempfile.mkdtemp(prefix="pagedserve-bench-"), f"{system}-server.log")
     with open(log_path, "w") as log:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},

@@ -144,7 +144,7 @@ def format_report(report: dict) -> str:
 
 def format_table(reports: list[dict]) -> str:
     """One row per system and request rate: throughput and p50 / p99 latencies."""
-    systems = list(dict.fromkeys(r.get("system", r["url"]) for r in reports))
+    systems = list(dict.fromkeys(r["system"] for r in reports))
     several = len(systems) > 1
     first = reports[0]
     drawn = first["workload"] if len({r["workload"] for r in reports}) == 1 else (
@@ -156,7 +156,7 @@ def format_table(reports: list[dict]) -> str:
              "TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | e2e p50 / p99 (s) |",
              ("|---" if several else "") + "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in reports:
-        lines.append((f"| {r.get('system', r['url'])} " if several else "") +
+        lines.append((f"| {r['system']} " if several else "") +
                      f"| {r['request_rate']:g} | {r['completed']} of {r['completed'] + r['failed']} | "
                      f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
                      f"{r['ttft_s']['p50'] * 1e3:.0f} / {r['ttft_s']['p99'] * 1e3:.0f} | "
@@ -199,8 +199,8 @@ def plot(reports: list[dict], path: str) -> None:
 
     finite = [r["request_rate"] for r in reports if r["request_rate"] != float("inf")]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for colour, system in enumerate(dict.fromkeys(r.get("system", r["url"]) for r in reports)):
-        rows = [r for r in reports if r.get("system", r["url"]) == system]
+    for colour, system in enumerate(dict.fromkeys(r["system"] for r in reports)):
+        rows = [r for r in reports if r["system"] == system]
         x = [r["request_rate"] if r["request_rate"] != float("inf") else 2 * max(finite, default=1) for r in rows]
         for ax, (key, unit) in zip(axes, [("ttft_s", 1e3), ("tpot_s", 1e3), ("e2e_s", 1)]):
             ax.plot(x, [r[key]["p50"] * unit for r in rows], "o-", color=f"C{colour}", label=f"{system} p50")

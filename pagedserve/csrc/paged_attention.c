@@ -267,11 +267,11 @@ int paged_decode_attention(
 #define RB 6          /* rows per register block: RB x KV_ score vectors, RB x OV output vectors */
 #define OV 4          /* output vectors per pass over a tile's V rows */
 
-/* Keys j0..j0+KT-1 of KV head kvh, read through the block table: K into kt[d * kt_stride + t], V
- * into vt[t * head_dim + d]; keys from len on are zero (never visible, but must be finite). */
+/* Keys j0..j0+KT-1 of KV head kvh, read through the block table: K transposed into kt[d * KT + t],
+ * V into vt[t * head_dim + d]; keys from len on are zero (never visible, but must be finite). */
 static inline __attribute__((always_inline)) void stage_kv_tile(
     const struct paged_kv *kv, const int64_t *table, int64_t j0, int64_t len, int64_t kvh, const int64_t head_dim,
-    const int format, float *kt, int64_t kt_stride, float *vt)
+    const int format, float *kt, float *vt)
 {
     const int64_t bs = kv->block_size, stride = kv->token_stride;
     const int64_t esize = format == KV_FP8 ? 1 : format == KV_BF16 ? 2 : sizeof(float);
@@ -280,20 +280,20 @@ static inline __attribute__((always_inline)) void stage_kv_tile(
         float *vrow = vt + t * head_dim;
         if (j >= len) {
             for (int64_t d = 0; d < head_dim; d++)
-                kt[d * kt_stride + t] = 0.0f, vrow[d] = 0.0f;
+                kt[d * KT + t] = 0.0f, vrow[d] = 0.0f;
             continue;
         }
         const int64_t slot = table[j / bs] * bs + j % bs, offset = (slot * stride + kvh * head_dim) * esize;
         const uint8_t *krow = (const uint8_t *)kv->k_cache + offset, *vsrc = (const uint8_t *)kv->v_cache + offset;
         for (int64_t d = 0; d < head_dim; d++) {
             if (format == KV_F32) {
-                kt[d * kt_stride + t] = ((const float *)krow)[d];
+                kt[d * KT + t] = ((const float *)krow)[d];
                 vrow[d] = ((const float *)vsrc)[d];
             } else if (format == KV_BF16) {
-                kt[d * kt_stride + t] = bf16_to_float(((const uint16_t *)krow)[d]);
+                kt[d * KT + t] = bf16_to_float(((const uint16_t *)krow)[d]);
                 vrow[d] = bf16_to_float(((const uint16_t *)vsrc)[d]);
             } else {
-                kt[d * kt_stride + t] = fp8_to_float(krow[d]);
+                kt[d * KT + t] = fp8_to_float(krow[d]);
                 vrow[d] = fp8_to_float(vsrc[d]);
             }
         }
@@ -421,6 +421,24 @@ static inline __attribute__((always_inline)) void prefill_tile(
 #undef ROW_OFFSET
 }
 
+/* The request r whose range of items starts[r] .. starts[r + 1] - 1 holds item i. */
+static inline int64_t owner(const int64_t *starts, int64_t i)
+{
+    int64_t r = 0;
+    while (starts[r + 1] <= i)
+        r++;
+    return r;
+}
+
+/* Request r's staged keys for KV head kvh: K tiles, then as many V tiles (stage_offset, key_tile_start
+ * as paged_prefill_attention lays them out). */
+static inline float *staged_k(float *staged, const int64_t *stage_offset, const int64_t *key_tile_start, int64_t r,
+                              int64_t kvh, int64_t head_dim)
+{
+    const int64_t width = (key_tile_start[r + 1] - key_tile_start[r]) * KT;
+    return staged + stage_offset[r] + kvh * 2 * width * head_dim;
+}
+
 /* The first key any new token of a request may see, rounded down to a tile. */
 static inline int64_t staged_from(int64_t ctx, int64_t window)
 {
@@ -464,16 +482,13 @@ int paged_prefill_attention(
         /* Stage every request's keys, tile by tile and KV head by KV head. */
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < key_tile_start[n] * num_kv_heads; item++) {
-            const int64_t key_tile = item / num_kv_heads, kvh = item % num_kv_heads;
-            int64_t r = 0;
-            while (key_tile_start[r + 1] <= key_tile)
-                r++;
+            const int64_t key_tile = item / num_kv_heads, kvh = item % num_kv_heads, r = owner(key_tile_start, key_tile);
             const int64_t width = (key_tile_start[r + 1] - key_tile_start[r]) * KT, t = key_tile - key_tile_start[r];
             const int64_t from = staged_from(seq_lens[r] - num_new[r], window);
-            float *kt = staged + stage_offset[r] + kvh * 2 * width * head_dim, *vt = kt + width * head_dim;
+            float *kt = staged_k(staged, stage_offset, key_tile_start, r, kvh, head_dim), *vt = kt + width * head_dim;
 #define STAGE(fmt) \
     stage_kv_tile(&kv, block_tables + r * table_stride, from + t * KT, seq_lens[r], kvh, head_dim, fmt, \
-                  kt + t * KT * head_dim, KT, vt + t * KT * head_dim)
+                  kt + t * KT * head_dim, vt + t * KT * head_dim)
             format == KV_FP8 ? STAGE(KV_FP8) : format == KV_BF16 ? STAGE(KV_BF16) : STAGE(KV_F32);
 #undef STAGE
         }
@@ -490,12 +505,10 @@ int paged_prefill_attention(
                 continue;
             /* Later tiles see more keys: take them first, so that the short ones fill the gaps. */
             const int64_t tile = tile_start[n] - 1 - item / num_kv_heads, kvh = item % num_kv_heads;
-            int64_t r = 0;
-            while (tile_start[r + 1] <= tile)
-                r++;
+            const int64_t r = owner(tile_start, tile), ctx = seq_lens[r] - num_new[r];
             const int64_t i0 = (tile - tile_start[r]) * QT, i1 = i0 + QT < num_new[r] ? i0 + QT : num_new[r];
-            const int64_t ctx = seq_lens[r] - num_new[r], width = (key_tile_start[r + 1] - key_tile_start[r]) * KT;
-            const float *kt = staged + stage_offset[r] + kvh * 2 * width * head_dim, *vt = kt + width * head_dim;
+            const int64_t width = (key_tile_start[r + 1] - key_tile_start[r]) * KT;
+            const float *kt = staged_k(staged, stage_offset, key_tile_start, r, kvh, head_dim), *vt = kt + width * head_dim;
 #define TILE(dim) \
     prefill_tile(kt, vt, staged_from(ctx, window), q, out, q_starts[r], ctx, i0, i1, kvh, num_heads, group, \
                  dim, scale * k_scale, v_scale, window, scratch)
