@@ -12,11 +12,9 @@ requests (decodes), batched, and the others, one at a time (`BatchedDecodeMetada
   strided views, stays in cache while SDPA reads it. Within a group, the query heads that share a
   KV head are that head's query rows, so grouped-query attention copies nothing;
 - on CPU, multi-token requests (prompts, chunks behind cached tokens) run all together in the C
-  prefill kernel of `cpu_kernel` (flash-style tiles read through the block tables), except short
-  bfloat16 prompts, which run in `attend`, transformers' eager order of operations
-  (EAGER_BF16_MAX_SCORES says why);
+  prefill kernel of `cpu_kernel` (flash-style tiles read through the block tables);
 - elsewhere, multi-token requests run one at a time through torch's fused attention (scores never
-  materialised), or in `attend` for short bfloat16 prompts (`_attend_prompt`);
+  materialised; `_attend_prompt`);
 - masks are built once per step by the first layer and reused by the others (`md.masks`);
 - an fp8 cache is gathered as bytes and dequantized per group or request (`kv_cache.gather_blocks`).
 """
@@ -57,9 +55,9 @@ class DecodeGroup:
 
 @dataclass(kw_only=True)
 class SdpaMetadata(BatchedDecodeMetadata):
-    """The split step, plus what only this backend reads: decode groups for the SDPA path (built on
-    first use: the C kernel, when it runs, needs none), and the masks and prefill-kernel batches
-    the first layer builds for the others (in `masks`)."""
+    """The split step, plus what only this backend reads: decode groups for the SDPA path and the
+    prefill kernel's batch (each built on first use, by the first layer that needs it), and the
+    masks the first layer builds for the others (in `masks`)."""
 
     masks: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -80,17 +78,10 @@ class SdpaMetadata(BatchedDecodeMetadata):
             ))
         return groups
 
-    def prefill_split(self, dtype: torch.dtype) -> tuple[list[int], tuple[Tensor, ...] | None]:
-        """The multi-token requests that run in the eager order in `dtype` (short bfloat16 prompts),
-        and the C prefill kernel's batch of the others (None if there are none): built by the first
-        layer, reused by the others."""
-        key = ("prefill_split", dtype)
-        if key not in self.masks:
-            qsl, lens = self.query_start_loc_cpu, self.seq_lens_cpu
-            eager = [i for i in self.prefill_req_indices if _eager_bf16(dtype, qsl[i + 1] - qsl[i], lens[i])]
-            in_kernel = tuple(sorted(set(self.prefill_req_indices) - set(eager)))
-            self.masks[key] = (eager, self.prefill_batch(in_kernel) if in_kernel else None)
-        return self.masks[key]
+    @functools.cached_property
+    def prefill_kernel_batch(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """`prefill_batch` of every multi-token request: built by the first layer, reused by the others."""
+        return self.prefill_batch(tuple(self.prefill_req_indices))
 
     def prefill_batch(self, reqs: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Multi-token requests `reqs` as the C prefill kernel reads them: each one's first row in
@@ -145,11 +136,10 @@ def paged_attention(
 
     qsl, prefills = md.query_start_loc_cpu, md.prefill_req_indices
     if prefills and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
-        prefills, batch = md.prefill_split(q.dtype)
-        if batch is not None:
-            q_starts, num_new, seq_lens, tables, rows = batch
-            cpu_kernel.prefill_attention(q.contiguous(), k_cache, v_cache, out, rows, q_starts, num_new, tables,
-                                         seq_lens, scale, sliding_window, kv_scales)
+        q_starts, num_new, seq_lens, tables, rows = md.prefill_kernel_batch
+        cpu_kernel.prefill_attention(q.contiguous(), k_cache, v_cache, out, rows, q_starts, num_new, tables,
+                                     seq_lens, scale, sliding_window, kv_scales)
+        prefills = []
     for i in prefills:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
         blocks = md.block_tables[i, : cdiv(seq_len, block_size)]
@@ -159,26 +149,11 @@ def paged_attention(
     return out
 
 
-# Up to this many query x key positions, a bfloat16 prompt runs in the eager order (`attend`), which
-# rounds where transformers' eager attention rounds (scores and probabilities in bf16): greedy bf16
-# output then agrees with transformers' more often. With every bf16 prompt in the C kernel, which
-# computes in float32, 18 of scripts/bf16_agreement.py's 32 requests were identical, against 22
-# (vLLM: 19). Past it the kernel takes them; eager would also be slower (2.7 ms against the kernel's
-# 1.2 for a 512-token prompt on the 2-core test machine) and its scores grow with the square.
-EAGER_BF16_MAX_SCORES = 512 * 512
-
-
-def _eager_bf16(dtype: torch.dtype, num_new: int, seq_len: int) -> bool:
-    return dtype == torch.bfloat16 and num_new * seq_len <= EAGER_BF16_MAX_SCORES
-
-
 def _attend_prompt(q: Tensor, keys: Tensor, values: Tensor, md: SdpaMetadata, i: int, scale: float,
                    window: int | None) -> Tensor:
     """Attention of multi-token request i's new tokens q [n, heads, dim] over its whole context
     keys, values [seq_len, kv_heads, dim]."""
     (n, num_heads, dim), (seq_len, num_kv_heads, _) = q.shape, keys.shape
-    if _eager_bf16(q.dtype, n, seq_len):
-        return attend(q[None], keys[None], values[None], _prefill_mask(md, i, window)[None], scale)[0]
     if n == seq_len and window is None:  # a whole prompt: plain causal, no mask to read
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            values.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
@@ -236,27 +211,6 @@ def visible(query_pos: Tensor, num_keys: int, sliding_window: int | None) -> Ten
     if sliding_window is not None:
         mask &= key_pos > query_pos - sliding_window
     return mask
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Softmax attention with grouped KV heads, in transformers' eager order of operations
-    (scale after q @ k^T, softmax in float32).
-
-    q: [batch, queries, heads, dim]; k, v: [batch, keys, kv_heads, dim]; mask: [batch, queries, keys].
-    Query head h reads KV head h // group. The group's heads are folded into the query rows, so
-    one matmul per KV head serves them all without copying K and V for each query head.
-    """
-    batch, num_q, num_heads, dim = q.shape
-    num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
-    q = q.view(batch, num_q, num_kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, -1, dim)
-    k = k.permute(0, 2, 1, 3)  # [batch, kv_heads, keys, dim]
-    v = v.permute(0, 2, 1, 3)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, kv_heads, group * queries, keys]
-    scores = scores.view(batch, num_kv_heads, group, num_q, -1).masked_fill(~mask[:, None, None], float("-inf"))
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs.flatten(2, 3), v)  # [batch, kv_heads, group * queries, dim]
-    return out.view(batch, num_kv_heads, group, num_q, dim).permute(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, dim)
 
 
 class SdpaBackend:
