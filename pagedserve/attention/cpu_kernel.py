@@ -43,9 +43,18 @@ def load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn = lib.paged_prefill_attention
     fn.argtypes = [ptr] * 8 + [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                           ctypes.c_float]
+                                           ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.prefill_has_bf16_dot.argtypes, lib.prefill_has_bf16_dot.restype = [], ctypes.c_int
     return lib
+
+
+def prefill_has_bf16_dot() -> bool:
+    """Whether the prefill kernel was built with its bfloat16 path (bfloat16 queries over a
+    bfloat16 cache, on a CPU with AVX-512 BF16): both products in bf16 pair dot products with
+    float32 sums, the probabilities rounded to bfloat16 first, as torch's fused CPU attention does."""
+    lib = load()
+    return lib is not None and bool(lib.prefill_has_bf16_dot())
 
 
 # The cache's element type, as the kernel's `format` argument names it.
@@ -123,16 +132,20 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None,
     kv_scales: Tensor | None = None,
+    bf16_queries: bool = False,
 ) -> None:
     """Write into out the attention of multi-token requests: request r's new tokens are rows
     q_starts[r] .. q_starts[r] + num_new[r] - 1 of q, at positions seq_lens[r] - num_new[r] ..
     seq_lens[r] - 1, and see every cached position up to their own (within the window). Their K/V,
     the new tokens' included, are already in the cache. rows: every row of q those requests own
     (only these rows of out are written). q, out: float32 or bfloat16 (computed in float32, as in
-    `decode_attention`); the rest as for `decode_attention`; q_starts, num_new, seq_lens: [n] int64."""
+    `decode_attention`, except bfloat16 q over a bfloat16 cache where `prefill_has_bf16_dot`); the
+    rest as for `decode_attention`; q_starts, num_new, seq_lens: [n] int64. bf16_queries: float32 q
+    that holds bfloat16 values (set by the bfloat16 call itself)."""
     if q.dtype != torch.float32:
-        return _in_float32(prefill_attention, q, k_cache, v_cache, out, rows, q_starts, num_new, block_tables,
-                           seq_lens, scale, sliding_window, kv_scales)
+        widened = functools.partial(prefill_attention, bf16_queries=q.dtype == torch.bfloat16)
+        return _in_float32(widened, q, k_cache, v_cache, out, rows, q_starts, num_new, block_tables, seq_lens, scale,
+                           sliding_window, kv_scales)
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for t in (q, out, k_cache, v_cache, q_starts, num_new, block_tables, seq_lens):
@@ -144,6 +157,7 @@ def prefill_attention(
         num_new.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         q_starts.shape[0], block_tables.shape[1], block_size, q.shape[1], num_kv_heads, head_dim,
         scale, sliding_window or 0, torch.get_num_threads(), KV_FORMATS[k_cache.dtype], k_scale, v_scale,
+        int(bf16_queries),
     )
     if status != 0:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch space")

@@ -313,12 +313,84 @@ static inline float hmax(vec v)
     return v[0];
 }
 
-/* One work item: rows = group x (tokens i0..i1-1 of the request's new ones, at positions ctx + i).
+/* The running softmax of one register block (rows r0..r0+nr-1 of a work item) over one key tile:
+ * hide what a row may not see (only tiles that cross the causal diagonal or the window's edge,
+ * `masked`, have such keys), then p = exp(score - running max) and corr = the factor that rescales
+ * what each row saw before; m and l (each row's running max and sum) are updated. */
+static inline __attribute__((always_inline)) void tile_softmax(
+    vec s[RB][KV_], float p[RB][KT], float corr[RB], float *m, float *l, int64_t r0, int64_t nr, int64_t tokens,
+    int64_t first_pos, int64_t j0, int masked, int64_t window, float scale)
+{
+    ivec iota;
+    for (int i = 0; i < VL; i++)
+        iota[i] = i;
+    const vec minus_inf = (vec){0} - INFINITY;
+    for (int64_t b = 0; b < RB; b++) {
+        const int64_t r = r0 + b, pos = first_pos + r % tokens;
+        vec row_max = minus_inf;
+        for (int c = 0; c < KV_; c++) {
+            s[b][c] *= scale;
+            if (masked) {
+                const ivec kp = (ivec){0} + (int32_t)(j0 + c * VL - pos) + iota; /* key - query position */
+                ivec hide = kp > 0;
+                if (window > 0)
+                    hide |= kp <= -(int32_t)window;
+                s[b][c] = vselect(hide, minus_inf, s[b][c]);
+            }
+            row_max = vmax(row_max, s[b][c]);
+        }
+        const float tile_max = hmax(row_max);
+        if (b >= nr || (tile_max == -INFINITY && m[r] == -INFINITY)) { /* nothing visible yet */
+            corr[b] = 1.0f;
+            memset(p[b], 0, sizeof(float) * KT);
+            continue;
+        }
+        const float m_new = tile_max > m[r] ? tile_max : m[r];
+        corr[b] = fast_exp(m[r] - m_new);
+        for (int c = 0; c < KV_; c++)
+            store(p[b] + c * VL, s[b][c] - m_new);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < KT; t++) {
+            p[b][t] = fast_exp(p[b][t]);
+            sum += p[b][t];
+        }
+        m[r] = m_new;
+        l[r] = l[r] * corr[b] + sum;
+    }
+}
+
+/* Whether some row of a work item (its new tokens at positions first_pos..last) must not see some
+ * key of the tile from j0: its last key lies past the first row's position, or its first key at
+ * or before the last row's window start. */
+static inline int tile_is_masked(int64_t j0, int64_t first_pos, int64_t last, int64_t window)
+{
+    return j0 + KT - 1 > first_pos || (window > 0 && j0 <= last - window);
+}
+
+/* The first key any of the tokens from position `from` on may see, rounded down to a tile. */
+static inline int64_t staged_from(int64_t from, int64_t window)
+{
+    const int64_t first = window > 0 && from - window + 1 > 0 ? from - window + 1 : 0;
+    return first - first % KT;
+}
+
+/* acc[r] = out row r's sum of p . V, divided by l[r] (and V's scale) into out. */
+#define ROW_OFFSET(r) (((q_start + i0 + (r) % tokens) * num_heads + kvh * group + (r) / tokens) * head_dim)
+#define WRITE_ROWS()                                                                                          \
+    for (int64_t r = 0; r < rows; r++) {                                                                      \
+        float *o = out + ROW_OFFSET(r);                                                                       \
+        const float inv = v_scale / l[r];                                                                     \
+        for (int64_t d = 0; d < head_dim; d++)                                                                \
+            o[d] = acc[r * head_dim + d] * inv;                                                               \
+    }
+
+/* One work item: rows = group x (tokens i0..i1-1 of the request's new tokens, at positions ctx + i).
  * Row r is token i0 + r % tokens of query head kvh * group + r / tokens. kt, vt: this request's
- * staged K and V for this KV head, from key staged_from on, tile by tile: each tile's K transposed
+ * staged K and V for this KV head, from key stage_start on, tile by tile: each tile's K transposed
  * ([head_dim][KT], contiguous), its V as KT rows. */
 static inline __attribute__((always_inline)) void prefill_tile(
-    const float *kt, const float *vt, int64_t staged_from, const float *q, float *out,
+    const float *kt, const float *vt, int64_t stage_start, const float *q, float *out,
     int64_t q_start, int64_t ctx, int64_t i0, int64_t i1, int64_t kvh, int64_t num_heads, int64_t group,
     const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch)
 {
@@ -328,17 +400,12 @@ static inline __attribute__((always_inline)) void prefill_tile(
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t r = 0; r < rows; r++)
         m[r] = -INFINITY, l[r] = 0.0f;
-#define ROW_OFFSET(r) (((q_start + i0 + (r) % tokens) * num_heads + kvh * group + (r) / tokens) * head_dim)
-    const int64_t last = ctx + i1 - 1; /* the tile's last position: no row sees past it */
-    const int64_t first = window > 0 && ctx + i0 - window + 1 > 0 ? ctx + i0 - window + 1 : 0;
-    ivec iota;
-    for (int i = 0; i < VL; i++)
-        iota[i] = i;
-    const vec minus_inf = (vec){0} - INFINITY;
+    const int64_t last = ctx + i1 - 1; /* the item's last position: no row sees past it */
 
-    for (int64_t j0 = first - first % KT; j0 <= last; j0 += KT) {
+    for (int64_t j0 = staged_from(ctx + i0, window); j0 <= last; j0 += KT) {
         const int64_t nk = last + 1 - j0 < KT ? last + 1 - j0 : KT;
-        const float *kj = kt + (j0 - staged_from) * head_dim, *vj = vt + (j0 - staged_from) * head_dim;
+        const float *kj = kt + (j0 - stage_start) * head_dim, *vj = vt + (j0 - stage_start) * head_dim;
+        const int masked = tile_is_masked(j0, ctx + i0, last, window);
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
             const float *qr[RB];
@@ -357,38 +424,8 @@ static inline __attribute__((always_inline)) void prefill_tile(
                     for (int c = 0; c < KV_; c++)
                         s[b][c] += qr[b][d] * k[c];
             }
-            /* The running softmax: hide what a row may not see, rescale what it saw before. */
             float p[RB][KT] __attribute__((aligned(64))), corr[RB];
-            for (int64_t b = 0; b < RB; b++) {
-                const int64_t r = r0 + b, pos = ctx + i0 + r % tokens;
-                float tile_max = -INFINITY;
-                for (int c = 0; c < KV_; c++) {
-                    const ivec kp = (ivec){0} + (int32_t)(j0 + c * VL - pos) + iota; /* key - query position */
-                    ivec hide = kp > 0;
-                    if (window > 0)
-                        hide |= kp <= -(int32_t)window;
-                    s[b][c] = vselect(hide, minus_inf, s[b][c] * scale);
-                    const float cm = hmax(s[b][c]);
-                    tile_max = cm > tile_max ? cm : tile_max;
-                }
-                if (b >= nr || (tile_max == -INFINITY && m[r] == -INFINITY)) { /* nothing visible yet */
-                    corr[b] = 1.0f;
-                    memset(p[b], 0, sizeof p[b]);
-                    continue;
-                }
-                const float m_new = tile_max > m[r] ? tile_max : m[r];
-                corr[b] = fast_exp(m[r] - m_new);
-                for (int c = 0; c < KV_; c++)
-                    store(p[b] + c * VL, s[b][c] - m_new);
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int t = 0; t < KT; t++) {
-                    p[b][t] = fast_exp(p[b][t]);
-                    sum += p[b][t];
-                }
-                m[r] = m_new;
-                l[r] = l[r] * corr[b] + sum;
-            }
+            tile_softmax(s, p, corr, m, l, r0, nr, tokens, ctx + i0, j0, masked, window, scale);
             /* acc = acc * corr + p . V, OV output vectors at a time, all RB rows in registers. */
             for (int64_t v0 = 0; v0 < head_dim; v0 += OV * VL) {
                 vec o[RB][OV];
@@ -412,14 +449,133 @@ static inline __attribute__((always_inline)) void prefill_tile(
             }
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        float *o = out + ROW_OFFSET(r);
-        const float inv = v_scale / l[r];
-        for (int64_t d = 0; d < head_dim; d++)
-            o[d] = acc[r * head_dim + d] * inv;
-    }
-#undef ROW_OFFSET
+    WRITE_ROWS();
 }
+
+#if defined(__AVX512BF16__)
+/* A bfloat16 cache on a CPU with AVX-512 BF16: K and V stay bfloat16 when staged, and both
+ * products run as bf16 pair dot products with float32 sums (vdpbf16ps: two multiply-adds per
+ * lane and instruction). The probabilities are rounded to bfloat16 before p . V, as torch's own
+ * fused CPU attention does in bfloat16; the softmax and the sums stay float32.
+ * Staged layouts, in 32-bit words that each hold a bfloat16 pair (low half first):
+ *   K tile [head_dim / 2][KT]: word (d, t) = key t's dims 2d, 2d + 1 (a 32-bit slice of its cache row);
+ *   V tile [KT / 2][head_dim]: word (t, d) = dim d of keys 2t, 2t + 1. */
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+
+static inline __attribute__((always_inline)) void stage_kv_tile_bf16(
+    const struct paged_kv *kv, const int64_t *table, int64_t j0, int64_t len, int64_t kvh, const int64_t head_dim,
+    uint32_t *kt, uint32_t *vt)
+{
+    uint16_t *v16 = (uint16_t *)vt;
+    for (int64_t t = 0; t < KT; t++) {
+        const int64_t j = j0 + t;
+        uint16_t *vpair = v16 + (t / 2) * head_dim * 2 + t % 2;
+        if (j >= len) {
+            for (int64_t d = 0; d < head_dim / 2; d++)
+                kt[d * KT + t] = 0;
+            for (int64_t d = 0; d < head_dim; d++)
+                vpair[2 * d] = 0;
+            continue;
+        }
+        const int64_t slot = table[j / kv->block_size] * kv->block_size + j % kv->block_size;
+        const int64_t offset = slot * kv->token_stride + kvh * head_dim;
+        const uint16_t *krow = (const uint16_t *)kv->k_cache + offset, *vrow = (const uint16_t *)kv->v_cache + offset;
+        for (int64_t d = 0; d < head_dim / 2; d++) {
+            uint32_t word;
+            memcpy(&word, krow + 2 * d, sizeof word);
+            kt[d * KT + t] = word;
+        }
+        for (int64_t d = 0; d < head_dim; d++)
+            vpair[2 * d] = vrow[d];
+    }
+}
+
+static inline __m512bh pair_broadcast(uint32_t word) { return (__m512bh)_mm512_set1_epi32((int)word); }
+static inline __m512bh load_pairs(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+/* prefill_tile for a staged bfloat16 tile (layouts above); q rows are float32 holding bfloat16 values. */
+static inline __attribute__((always_inline)) void prefill_tile_bf16(
+    const uint32_t *kt, const uint32_t *vt, int64_t stage_start, const float *q, float *out,
+    int64_t q_start, int64_t ctx, int64_t i0, int64_t i1, int64_t kvh, int64_t num_heads, int64_t group,
+    const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch)
+{
+    const int64_t tokens = i1 - i0, rows = group * tokens, half = head_dim / 2;
+    /* scratch: acc [rows * head_dim], m and l [rows] each, then the rows' q as bf16 pairs [rows * half]. */
+    float *acc = scratch, *m = acc + rows * head_dim, *l = m + rows;
+    uint32_t *qw = (uint32_t *)(l + rows);
+    memset(acc, 0, sizeof(float) * rows * head_dim);
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -INFINITY, l[r] = 0.0f;
+        const float *row = q + ROW_OFFSET(r);
+        for (int64_t d = 0; d < head_dim; d += 2 * VL) { /* 32 floats -> 32 bfloat16 (exact: q was bfloat16) */
+            const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + d + VL), _mm512_loadu_ps(row + d));
+            _mm512_storeu_si512(qw + r * half + d / 2, (__m512i)pairs);
+        }
+    }
+    const int64_t last = ctx + i1 - 1;
+
+    for (int64_t j0 = staged_from(ctx + i0, window); j0 <= last; j0 += KT) {
+        const int64_t nk = last + 1 - j0 < KT ? last + 1 - j0 : KT;
+        const uint32_t *kj = kt + (j0 - stage_start) * half, *vj = vt + (j0 - stage_start) * half;
+        const int masked = tile_is_masked(j0, ctx + i0, last, window);
+        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+            const uint32_t *qr[RB];
+            for (int64_t b = 0; b < RB; b++)
+                qr[b] = qw + (r0 + (b < nr ? b : 0)) * half;
+            vec s[RB][KV_];
+            for (int64_t b = 0; b < RB; b++)
+                for (int c = 0; c < KV_; c++)
+                    s[b][c] = (vec){0};
+            for (int64_t d = 0; d < half; d++) {
+                __m512bh k[KV_];
+                for (int c = 0; c < KV_; c++)
+                    k[c] = load_pairs(kj + d * KT + c * VL);
+                for (int64_t b = 0; b < RB; b++) {
+                    const __m512bh qb = pair_broadcast(qr[b][d]);
+                    for (int c = 0; c < KV_; c++)
+                        s[b][c] = (vec)_mm512_dpbf16_ps((__m512)s[b][c], k[c], qb);
+                }
+            }
+            float p[RB][KT] __attribute__((aligned(64))), corr[RB];
+            tile_softmax(s, p, corr, m, l, r0, nr, tokens, ctx + i0, j0, masked, window, scale);
+            uint32_t pw[RB][KT / 2] __attribute__((aligned(64))); /* p rounded to bfloat16, in key pairs */
+            for (int64_t b = 0; b < RB; b++)
+                for (int t = 0; t < KT; t += 2 * VL)
+                    _mm512_store_si512(pw[b] + t / 2,
+                                       (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p[b] + t + VL), _mm512_load_ps(p[b] + t)));
+            for (int64_t v0 = 0; v0 < head_dim; v0 += OV * VL) {
+                vec o[RB][OV];
+                for (int64_t b = 0; b < RB; b++)
+                    for (int i = 0; i < OV; i++)
+                        o[b][i] = v0 + i * VL < head_dim
+                                      ? load(acc + (r0 + (b < nr ? b : 0)) * head_dim + v0 + i * VL) * corr[b]
+                                      : (vec){0};
+                for (int64_t t = 0; t < (nk + 1) / 2; t++) {
+                    __m512bh v[OV];
+                    for (int i = 0; i < OV; i++)
+                        v[i] = v0 + i * VL < head_dim ? load_pairs(vj + t * head_dim + v0 + i * VL) : (__m512bh)_mm512_setzero_si512();
+                    for (int64_t b = 0; b < RB; b++) {
+                        const __m512bh pb = pair_broadcast(pw[b][t]);
+                        for (int i = 0; i < OV; i++)
+                            o[b][i] = (vec)_mm512_dpbf16_ps((__m512)o[b][i], v[i], pb);
+                    }
+                }
+                for (int64_t b = 0; b < nr; b++)
+                    for (int i = 0; i < OV; i++)
+                        if (v0 + i * VL < head_dim)
+                            store(acc + (r0 + b) * head_dim + v0 + i * VL, o[b][i]);
+            }
+        }
+    }
+    WRITE_ROWS();
+}
+#else
+#define HAVE_BF16_DOT 0
+#endif
+#undef WRITE_ROWS
+#undef ROW_OFFSET
 
 /* The request r whose range of items starts[r] .. starts[r + 1] - 1 holds item i. */
 static inline int64_t owner(const int64_t *starts, int64_t i)
@@ -439,22 +595,19 @@ static inline float *staged_k(float *staged, const int64_t *stage_offset, const 
     return staged + stage_offset[r] + kvh * 2 * width * head_dim;
 }
 
-/* The first key any new token of a request may see, rounded down to a tile. */
-static inline int64_t staged_from(int64_t ctx, int64_t window)
-{
-    const int64_t first = window > 0 && ctx - window + 1 > 0 ? ctx - window + 1 : 0;
-    return first - first % KT;
-}
+/* Whether paged_prefill_attention was built with its bfloat16 dot-product path. */
+int prefill_has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
 /* Request r's new tokens are rows q_starts[r]..q_starts[r] + num_new[r] - 1 of q and out, at
  * positions seq_lens[r] - num_new[r] ... seq_lens[r] - 1; its K/V (the new tokens' included) are
- * already in the cache. Layouts and format as for paged_decode_attention. */
+ * already in the cache. Layouts and format as for paged_decode_attention. bf16_queries: q holds
+ * bfloat16 values (widened), so that over a bfloat16 cache the products may run in bfloat16. */
 int paged_prefill_attention(
     const float *q, const void *k_cache, const void *v_cache, float *out,
     const int64_t *q_starts, const int64_t *num_new, const int64_t *block_tables, const int64_t *seq_lens,
     int64_t n, int64_t table_stride, int64_t block_size,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale)
+    float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale, int bf16_queries)
 {
     const struct paged_kv kv = {k_cache, v_cache, block_size, num_kv_heads * head_dim};
     const int64_t group = num_heads / num_kv_heads;
@@ -470,6 +623,9 @@ int paged_prefill_attention(
         key_tile_start[r + 1] = key_tile_start[r] + key_tiles;
         stage_offset[r + 1] = stage_offset[r] + 2 * num_kv_heads * key_tiles * KT * head_dim;
     }
+    /* bfloat16 queries over a bfloat16 cache: bf16 dot products where the CPU has them (the staged
+     * K/V then use half the words allocated). */
+    const int bf16_dot = HAVE_BF16_DOT && bf16_queries && format == KV_BF16 && head_dim % (2 * VL) == 0;
     float *staged = malloc(sizeof(float) * stage_offset[n]);
     if (staged == NULL) {
         free(tile_start);
@@ -489,12 +645,19 @@ int paged_prefill_attention(
 #define STAGE(fmt) \
     stage_kv_tile(&kv, block_tables + r * table_stride, from + t * KT, seq_lens[r], kvh, head_dim, fmt, \
                   kt + t * KT * head_dim, vt + t * KT * head_dim)
+#if HAVE_BF16_DOT
+            if (bf16_dot) {
+                stage_kv_tile_bf16(&kv, block_tables + r * table_stride, from + t * KT, seq_lens[r], kvh, head_dim,
+                                   (uint32_t *)kt + t * KT * head_dim / 2, (uint32_t *)vt + t * KT * head_dim / 2);
+                continue;
+            }
+#endif
             format == KV_FP8 ? STAGE(KV_FP8) : format == KV_BF16 ? STAGE(KV_BF16) : STAGE(KV_F32);
 #undef STAGE
         }
         /* (the loop's implicit barrier: every key is staged before any tile reads it) */
         const int64_t rows = group * QT;
-        float *scratch = malloc(sizeof(float) * (rows * head_dim + 2 * rows));
+        float *scratch = malloc(sizeof(float) * (rows * head_dim + 2 * rows + rows * head_dim / 2));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -509,6 +672,21 @@ int paged_prefill_attention(
             const int64_t i0 = (tile - tile_start[r]) * QT, i1 = i0 + QT < num_new[r] ? i0 + QT : num_new[r];
             const int64_t width = (key_tile_start[r + 1] - key_tile_start[r]) * KT;
             const float *kt = staged_k(staged, stage_offset, key_tile_start, r, kvh, head_dim), *vt = kt + width * head_dim;
+#if HAVE_BF16_DOT
+            if (bf16_dot) {
+#define TILE(dim) \
+    prefill_tile_bf16((const uint32_t *)kt, (const uint32_t *)vt, staged_from(ctx, window), q, out, q_starts[r], ctx, \
+                      i0, i1, kvh, num_heads, group, dim, scale * k_scale, v_scale, window, scratch)
+                if (head_dim == 64)
+                    TILE(64);
+                else if (head_dim == 128)
+                    TILE(128);
+                else
+                    TILE(head_dim);
+#undef TILE
+                continue;
+            }
+#endif
 #define TILE(dim) \
     prefill_tile(kt, vt, staged_from(ctx, window), q, out, q_starts[r], ctx, i0, i1, kvh, num_heads, group, \
                  dim, scale * k_scale, v_scale, window, scratch)

@@ -228,6 +228,45 @@ def test_prefill_over_a_bfloat16_cache_computes_in_float32(q_dtype):
     assert (out.float() - expected).abs().max().item() < (1e-5 if q_dtype == torch.float32 else 2e-2)
 
 
+def cpu_has_avx512_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any("avx512_bf16" in line.split() for line in f if line.startswith("flags"))
+
+
+def test_the_bf16_dot_path_is_built_where_the_cpu_has_avx512_bf16():
+    assert cpu_kernel.prefill_has_bf16_dot() == cpu_has_avx512_bf16()
+
+
+def bf16_prefill_case(window, kv_heads, heads, dim, seed):
+    q, k_cache, v_cache, md = prefill_case(PREFILLS, 16, kv_heads, heads, dim, seed=seed)
+    return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), md
+
+
+@pytest.mark.parametrize("window", [None, 1, 100, 4096])
+@pytest.mark.parametrize("kv_heads, heads, dim", [(3, 9, 64), (1, 8, 128), (4, 4, 80)])
+def test_bfloat16_prefill_matches_the_oracle_to_bfloat16_rounding(window, kv_heads, heads, dim):
+    # bfloat16 queries over a bfloat16 cache: with AVX-512 BF16 (and dim a multiple of 32) both
+    # products run in bf16 pairs and the probabilities are rounded to bfloat16 before p . V.
+    q, k16, v16, md = bf16_prefill_case(window, kv_heads, heads, dim, seed=5)
+    out = run_prefill(q, k16, v16, md, dim**-0.5, window)
+    expected = oracle(q.float(), k16.float(), v16.float(), md, dim**-0.5, window)
+    err = (out.float() - expected).abs()
+    assert err.max().item() < 2e-2 and err.mean().item() < 2e-3  # outputs ~1: bfloat16's step there is 2^-7
+    # The float32 path (the same bfloat16 values, widened) agrees as closely; where the bf16 path
+    # runs, the two differ (rounded probabilities), so this case exercises it; except with a window
+    # of 1, where each row sees one key (p = 1) and both give that key's V exactly.
+    in_float32 = run_prefill(q.float(), k16, v16, md, dim**-0.5, window).bfloat16()
+    assert (in_float32.float() - expected).abs().max().item() < 2e-2
+    bf16_path = cpu_kernel.prefill_has_bf16_dot() and dim % 32 == 0
+    assert torch.equal(out, in_float32) == (not bf16_path or window == 1)
+
+
+def test_bfloat16_prefill_does_not_depend_on_the_thread_count():
+    q, k16, v16, md = bf16_prefill_case(None, 3, 9, 64, seed=6)
+    one, many = on_one_and_on_several_threads(lambda: run_prefill(q, k16, v16, md, 0.125, None))
+    assert torch.equal(one, many)
+
+
 def test_prefill_does_not_depend_on_the_thread_count():
     q, k_cache, v_cache, md = prefill_case(PREFILLS * 2, 16, 3, 9, 64, seed=1)
     one, many = on_one_and_on_several_threads(lambda: run_prefill(q, k_cache, v_cache, md, 0.125, None))
