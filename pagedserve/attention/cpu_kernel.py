@@ -9,7 +9,9 @@ Prompt attention is compute-bound: the prefill kernel takes every multi-token re
 in one call, in flash-style tiles (a running softmax; the scores are never written out whole),
 reading K/V through the block tables, so a chunk behind cached tokens needs no gathered copy. On
 the same machine, one 512-token prompt of the embedded model took 1.2 ms per layer against 3.5 ms
-in torch's fused CPU attention (2,048 tokens: 17.6-21.5 against 35 ms, over two sittings).
+in torch's fused CPU attention (2,048 tokens: 17.6-21.5 against 35 ms, over two sittings). For
+bfloat16 queries over a bfloat16 cache on a CPU with AVX-512 BF16, it multiplies in bf16 pairs
+(`prefill_has_bf16_dot`): 2,048 tokens in 12.9 ms against 19.2 in float32 (one process, alternating).
 
 `pagedserve/native.py` compiles them on first use and caches the build. Without a compiler, or
 with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls back to torch's SDPA

@@ -626,6 +626,7 @@ int paged_prefill_attention(
     /* bfloat16 queries over a bfloat16 cache: bf16 dot products where the CPU has them (the staged
      * K/V then use half the words allocated). */
     const int bf16_dot = HAVE_BF16_DOT && bf16_queries && format == KV_BF16 && head_dim % (2 * VL) == 0;
+    (void)bf16_dot; /* (read only where HAVE_BF16_DOT) */
     float *staged = malloc(sizeof(float) * stage_offset[n]);
     if (staged == NULL) {
         free(tile_start);
