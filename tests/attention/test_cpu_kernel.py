@@ -219,7 +219,7 @@ def test_prefill_over_an_fp8_cache_matches_the_oracle():
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_prefill_over_a_bfloat16_cache_computes_in_float32(q_dtype):
+def test_prefill_over_a_bfloat16_cache_matches_the_oracle(q_dtype):
     q, k_cache, v_cache, md = prefill_case(PREFILLS, 16, 3, 9, 64, seed=3)
     q, k16, v16 = q.to(q_dtype), k_cache.bfloat16(), v_cache.bfloat16()
     out = run_prefill(q, k16, v16, md, 0.125, None)
@@ -237,7 +237,7 @@ def test_the_bf16_dot_path_is_built_where_the_cpu_has_avx512_bf16():
     assert cpu_kernel.prefill_has_bf16_dot() == cpu_has_avx512_bf16()
 
 
-def bf16_prefill_case(window, kv_heads, heads, dim, seed):
+def bf16_prefill_case(kv_heads, heads, dim, seed):
     q, k_cache, v_cache, md = prefill_case(PREFILLS, 16, kv_heads, heads, dim, seed=seed)
     return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), md
 
@@ -247,7 +247,7 @@ def bf16_prefill_case(window, kv_heads, heads, dim, seed):
 def test_bfloat16_prefill_matches_the_oracle_to_bfloat16_rounding(window, kv_heads, heads, dim):
     # bfloat16 queries over a bfloat16 cache: with AVX-512 BF16 (and dim a multiple of 32) both
     # products run in bf16 pairs and the probabilities are rounded to bfloat16 before p . V.
-    q, k16, v16, md = bf16_prefill_case(window, kv_heads, heads, dim, seed=5)
+    q, k16, v16, md = bf16_prefill_case(kv_heads, heads, dim, seed=5)
     out = run_prefill(q, k16, v16, md, dim**-0.5, window)
     expected = oracle(q.float(), k16.float(), v16.float(), md, dim**-0.5, window)
     err = (out.float() - expected).abs()
@@ -262,7 +262,7 @@ def test_bfloat16_prefill_matches_the_oracle_to_bfloat16_rounding(window, kv_hea
 
 
 def test_bfloat16_prefill_does_not_depend_on_the_thread_count():
-    q, k16, v16, md = bf16_prefill_case(None, 3, 9, 64, seed=6)
+    q, k16, v16, md = bf16_prefill_case(3, 9, 64, seed=6)
     one, many = on_one_and_on_several_threads(lambda: run_prefill(q, k16, v16, md, 0.125, None))
     assert torch.equal(one, many)
 
