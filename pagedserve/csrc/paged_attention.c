@@ -16,7 +16,8 @@
  * Query head h reads KV head h / (num_heads / num_kv_heads). Request r, at position
  * p = seq_lens[r] - 1, sees key positions j with p - window < j <= p (window <= 0: every j <= p).
  * Scores are (q . k) * scale and the softmax runs in float32, as in transformers' eager attention.
- * A bfloat16 or fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened
+ * (One exception: bfloat16 prompts over a bfloat16 cache multiply in bf16 pairs where the CPU has
+ * AVX-512 BF16; see prefill_tile_bf16.) A bfloat16 or fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened
  * to float32 as it is read (exactly: both are float32 with fewer bits); an fp8 cache's K scale
  * multiplies the scores, its V scale the output.
  */
@@ -253,7 +254,8 @@ int paged_decode_attention(
 
 /* ---- Prompt attention: several new tokens per request (a whole prompt, or a chunk behind its cached tokens).
  *
- * First each request's visible keys are staged once per KV head, widened to float32: K transposed
+ * First each request's visible keys are staged once per KV head, widened to float32 (or kept in
+ * bfloat16 pairs, for prefill_tile_bf16): K transposed
  * ([head_dim][keys]: a row's scores for KT keys are then head_dim broadcast multiply-adds into
  * KT / VL vectors) and V as rows. Then a work item is one request's KV head and a tile of up to QT
  * of its new tokens (the group's query heads for those tokens are its rows); it walks the keys
