@@ -8,6 +8,7 @@ resolved, so that building those flags does not load it.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+EXECUTOR_BACKENDS = ("auto", "mp", "external")
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -49,13 +51,20 @@ class EngineConfig:
         "auto", "torch (the CPU path, with a C decode kernel), triton (GPU kernels); auto: triton on CUDA when "
         "installed, else torch", ATTENTION_BACKENDS)
     seed: int = _setting(0, "the engine's seed for requests that set none")
+    tensor_parallel_size: int = _setting(1, "split the model over this many processes (tensor parallelism)")
+    distributed_executor_backend: str = _setting(
+        "auto", "tensor parallelism: mp (spawn the other ranks here) or external (they were started apart, by "
+        "`pagedserve worker` or torchrun: env:// rendezvous); auto: external when RANK and WORLD_SIZE are set",
+        EXECUTOR_BACKENDS)
+    distributed_timeout: float = _setting(
+        300.0, "tensor parallelism: seconds a collective may wait for the other ranks before the engine fails")
 
     def __post_init__(self) -> None:
         import torch
 
         from pagedserve.attention.kv_quant import FP8_DTYPE
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
@@ -68,6 +77,9 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.attention_backend = resolve_attention_backend(self.attention_backend, torch.device(self.device))
+        self.distributed_executor_backend = resolve_executor_backend(self.distributed_executor_backend)
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.calculate_kv_scales and self.kv_torch_dtype != FP8_DTYPE:
             raise ValueError("calculate_kv_scales needs kv_cache_dtype='fp8'")
         if self.kv_torch_dtype == FP8_DTYPE and self.attention_backend == "triton":
@@ -129,6 +141,16 @@ def resolve_dtype(name: str, device: str) -> str:
         return "bfloat16" if device.startswith("cuda") else "float32"
     if name not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {name!r}")
+    return name
+
+
+def resolve_executor_backend(name: str) -> str:
+    """"auto" -> "external" when torch.distributed's env:// variables name this process's rank
+    (torchrun, `pagedserve worker`'s driver), else "mp"."""
+    if name not in EXECUTOR_BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got {name!r}")
+    if name == "auto":
+        return "external" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else "mp"
     return name
 
 

@@ -24,13 +24,14 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_messages import CoreStats, EngineCoreRequest, SampleOutput, TokenLogprobs
-from pagedserve.engine.executor import Executor, UniProcExecutor
+from pagedserve.engine.executor import Executor, ExecutorFailed, make_executor
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts, gather_logprobs
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.kv import KVCacheManager, KVCacheStats
 from pagedserve.models.loader import load_tokenizer
+from pagedserve.models.sharding import kv_heads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +98,16 @@ class EngineCore:
         `tokenizer`'s vocabulary compiles grammars; without one, the first constrained request
         loads the checkpoint's."""
         self.config = config
-        self.executor = executor or UniProcExecutor(config, model)
+        self.executor = executor or make_executor(config, model)
         self.model_config = model_config = self.executor.model_config
         model_max_len = model_config.max_position_embeddings
         config.check_max_model_len(model_max_len)  # before a profiling pass runs that long a prompt
         measured = self.executor.measure_kv_budget(config.max_model_len or model_max_len) \
             if config.measures_kv_budget else None
+        # Under tensor parallelism a block holds each rank's share of the KV heads.
+        kv_heads = kv_heads_per_rank(model_config, config.tensor_parallel_size)
         self.num_blocks, self.max_model_len = config.resolve_kv_pool(
-            model_config.kv_bytes_per_token(config.kv_torch_dtype), model_max_len, measured)
+            model_config.kv_bytes_per_token(config.kv_torch_dtype, kv_heads), model_max_len, measured)
         self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -191,6 +194,8 @@ class EngineCore:
         try:
             try:
                 result = self._compute(plan, rows, samplers)
+            except ExecutorFailed:
+                raise  # no step can run: nothing to contain
             except Exception as error:
                 result, failed = self._contain_fault(plan, states, error)
         except BaseException:
@@ -355,6 +360,8 @@ class EngineCore:
         self._restore_generators(states)
         try:
             return self._compute(plan, *self._samplers(plan)), []
+        except ExecutorFailed:
+            raise
         except Exception as again:
             error = again
 
@@ -363,6 +370,8 @@ class EngineCore:
             self._restore_generators(states)
             try:
                 self._compute(part, *self._samplers(part))
+            except ExecutorFailed:
+                raise
             except Exception as e:
                 return e
             return None
@@ -437,3 +446,11 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing forgotten) while requests hold blocks."""
         return self.kv.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        """Raise ExecutorFailed once no step can run (a tensor-parallel worker is gone)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers; the core runs no more steps."""
+        self.executor.shutdown()

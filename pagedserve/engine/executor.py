@@ -2,9 +2,9 @@
 
 The core plans a step and samples; an executor runs the forward pass of that step wherever the
 model lives and returns the logits of the rows that sample, and of the prompt positions whose
-logprobs were asked for. `UniProcExecutor` is the one worker in the core's own process. A
-tensor-parallel executor puts more workers (processes, devices) behind the same calls; a
-data-parallel deployment runs several cores, each with its executor.
+logprobs were asked for. `UniProcExecutor` is the one worker in the core's own process. The
+tensor-parallel executor (distributed/executor.py) puts more workers (processes, devices) behind
+the same calls; a data-parallel deployment runs several cores, each with its executor.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.models.config import ModelConfig
+
+
+class ExecutorFailed(RuntimeError):
+    """The executor can run no more steps (a tensor-parallel worker died, a collective failed or
+    timed out). Fatal to the engine: no step is retried."""
 
 
 class Executor(Protocol):
@@ -32,6 +37,23 @@ class Executor(Protocol):
                 prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """Run one step; float32 logits of each listed row's last token, then of each prompt span's
         tokens (see `ModelRunner.execute`)."""
+
+    def check_health(self) -> None:
+        """Raise ExecutorFailed if a step can no longer run."""
+
+    def shutdown(self) -> None:
+        """Stop the workers (no more steps after this)."""
+
+
+def make_executor(config: EngineConfig, model=None) -> Executor:
+    """The executor config asks for: one runner here, or tensor_parallel_size ranks."""
+    if config.tensor_parallel_size == 1:
+        return UniProcExecutor(config, model)
+    if model is not None:
+        raise ValueError("a loaded model cannot be shared with a tensor-parallel engine: each rank loads its shard")
+    from pagedserve.distributed.executor import TensorParallelExecutor
+
+    return TensorParallelExecutor(config)
 
 
 class UniProcExecutor:
@@ -53,3 +75,9 @@ class UniProcExecutor:
     def execute(self, step: SchedulerOutput, sample_rows: list[int],
                 prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
         return self.runner.execute(step, sample_rows, prompt_spans)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

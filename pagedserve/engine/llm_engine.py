@@ -123,6 +123,10 @@ class LLMEngine:
         self.core.abort_requests(processed.failed)
         return processed.outputs
 
+    def shutdown(self) -> None:
+        """Stop the engine's workers (tensor parallelism); it runs no more steps."""
+        self.core.shutdown()
+
     # ---- figures -------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:

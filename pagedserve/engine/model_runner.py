@@ -7,6 +7,8 @@ On CUDA it also sizes the KV pool from the GPU's free memory after a profiling f
 from __future__ import annotations
 
 import gc
+import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +22,18 @@ from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.kv import BlockCopy
 from pagedserve.kv.sizes import cdiv
 from pagedserve.models.config import ModelConfig
+
+
+@dataclass
+class StepInputs:
+    """One step's forward pass as flat arrays: what a tensor-parallel driver sends every rank."""
+
+    input_ids: list[int]                   # the scheduled tokens of every request, one after another
+    num_computed: list[int]                # per request: tokens already in its KV blocks
+    num_new: list[int]                     # per request: tokens this step runs
+    block_tables: torch.Tensor             # [requests, blocks], int64, padded with 0
+    block_copies: list[tuple[int, int]]    # copy-on-write (src, dst) pairs, done before the pass
+    logits_rows: list[int]                 # tokens (indices into input_ids) whose logits are wanted
 
 
 def kv_budget_from_gpu_memory(total: int, free: int, peak_activation: int, utilization: float) -> int:
@@ -55,7 +69,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
-        self.kv_caches = allocate_kv_cache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+        kv_heads = self.model.shard.num_kv_heads  # this rank's, under tensor parallelism
+        self.kv_caches = allocate_kv_cache(c.num_layers, num_blocks, self.block_size, kv_heads, c.head_dim,
                                            self.config.kv_torch_dtype, self.device)
 
     @torch.inference_mode()
@@ -105,14 +120,17 @@ class ModelRunner:
     def _metadata(self, block_tables, computed, num_new) -> AttentionMetadata:
         return self.attention_backend.build_metadata(block_tables, computed, num_new, self.block_size, self.device)
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, sample_rows: list[int],
                 prompt_spans: list[tuple[int, int, int]] = ()) -> torch.Tensor:
         """Run one step; return float32 logits: first, one row of the last scheduled token of each
         request listed in `sample_rows` (indices into plan.requests; repeats allowed); then, for
         each (row, first, count) of `prompt_spans`, `count` rows: the row's scheduled tokens from
         its `first` on (for prompt logprobs). Only these tokens go through the LM head."""
-        self.copy_blocks(plan.block_copies)
+        return self.run(self.prepare(plan, sample_rows, prompt_spans))
+
+    def prepare(self, plan: SchedulerOutput, sample_rows: list[int],
+                prompt_spans: list[tuple[int, int, int]] = ()) -> StepInputs:
+        """The step's inputs as flat arrays (host work only; see `execute` for the arguments)."""
         computed = [r.num_computed_tokens for r in plan.requests]
         input_ids: list[int] = []
         for request, start, n in zip(plan.requests, computed, plan.num_new_tokens):
@@ -120,23 +138,29 @@ class ModelRunner:
         seq_lens = [c + n for c, n in zip(computed, plan.num_new_tokens)]
         tables = self.block_table_rows.update([r.request_id for r in plan.requests], plan.new_block_ids,
                                               plan.new_tables, computed, seq_lens, plan.freed)
-        md = self._metadata(tables, computed, plan.num_new_tokens)
-        ids = torch.tensor(input_ids, device=self.device)
+        starts = list(itertools.accumulate(plan.num_new_tokens, initial=0))  # each request's first token
+        rows = [starts[i + 1] - 1 for i in sample_rows]
+        rows += [t for row, first, count in prompt_spans for t in range(starts[row] + first, starts[row] + first + count)]
+        return StepInputs(input_ids, computed, list(plan.num_new_tokens), tables,
+                          list(plan.block_copies), rows)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The forward pass of a prepared step: float32 logits of `inputs.logits_rows` (None on
+        a tensor-parallel rank other than 0, which computes its share of them only)."""
+        copy_blocks(self.kv_caches, inputs.block_copies)
+        md = self._metadata(inputs.block_tables, inputs.num_computed, inputs.num_new)
+        ids = torch.tensor(inputs.input_ids, device=self.device)
         if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):
             hidden = self.decode_graphs.run(ids, md)
         else:
             md.calculate_kv_scales = self.calibrate_kv_scales
             hidden = self.model(ids, md.positions, self.kv_caches, md)
             self.calibrate_kv_scales = False  # only once a pass has set every layer's scales
-        if not sample_rows and not prompt_spans:
+        if not inputs.logits_rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        rows = md.logits_indices[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
-        if prompt_spans:
-            starts = md.query_start_loc_cpu  # where each request's tokens begin in the flat batch
-            tokens = [t for row, first, count in prompt_spans
-                      for t in range(starts[row] + first, starts[row] + first + count)]
-            rows = torch.cat([rows, torch.tensor(tokens, dtype=torch.long, device=self.device)])
-        return self.model.compute_logits(hidden[rows]).float()
+        logits = self.model.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=self.device)])
+        return None if logits is None else logits.float()
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy-on-write: give each destination block its source's K/V, in every layer."""

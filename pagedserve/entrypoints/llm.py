@@ -125,6 +125,17 @@ class LLM:
             bar.close()
         return [finished[i] for i in ids]
 
+    def shutdown(self) -> None:
+        """Stop the engine: with tensor_parallel_size > 1 its worker processes exit and their ports
+        close (also done when the LLM is garbage-collected, or at exit)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         """As vLLM's: forget all cached prefixes, so the next prompts are computed cold. False
         (nothing forgotten) while requests are running."""

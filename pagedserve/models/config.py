@@ -63,9 +63,10 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype.itemsize)
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+        """Bytes of K and V one token occupies across all layers (of `kv_heads` heads: one
+        tensor-parallel rank's; default all of them)."""
+        return kv_bytes_per_token(self.num_layers, kv_heads or self.num_kv_heads, self.head_dim, dtype.itemsize)
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> ModelConfig:

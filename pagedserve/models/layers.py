@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedserve.distributed.group import TPGroup
 from pagedserve.models import fused_cpu
 
 
@@ -142,13 +143,48 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.onednn)
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split across a tensor-parallel group: each rank
+    multiplies its slice, the partial products are summed over the group, then the (whole) bias
+    is added once. With a group of one, exactly Linear."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        out = self.tp.all_reduce(linear(x, self.weight, None, self.onednn))
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding, rows [start, start + rows) of the (padded) vocabulary on this rank:
+    each rank looks up the ids it holds, zeros elsewhere, and the group sums the rows."""
+
+    def __init__(self, rows: int, dim: int, start: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.start, self.tp = start, tp
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
+    parallelism intermediate_size is this rank's share: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: TPGroup | None = None):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp or TPGroup())
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)

@@ -3,27 +3,54 @@ SmolLM2, over a flat batch of tokens whose K/V are read and written only through
 
 Module names mirror transformers' (model.layers.N.self_attn...), except that q/k/v and gate/up
 are fused into one matmul each; `checkpoint_targets` maps checkpoint names onto those fusions.
+Built with a tensor-parallel group of N ranks, the model holds rank r's share (models/sharding.py)
+and `checkpoint_targets` says which slice of each checkpoint tensor that is.
 """
 
 from __future__ import annotations
 
 import torch
+from typing import NamedTuple
+
 from torch import Tensor, nn
 
 from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.kv_quant import calibrated_scale
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed.group import TPGroup
 from pagedserve.models.config import ModelConfig
-from pagedserve.models.layers import GatedMLP, Linear, OneDNNWeight, RMSNorm, RotaryEmbedding, apply_rotary, linear
+from pagedserve.models.layers import (GatedMLP, Linear, OneDNNWeight, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                      VocabParallelEmbedding, apply_rotary, linear)
+from pagedserve.models.sharding import TPShard
+
+
+class Target(NamedTuple):
+    """Where a checkpoint tensor goes: rows [start, start + rows) of `param` take the checkpoint
+    tensor's slice from `source_start` along `source_dim`, as long there as those rows are; the
+    whole tensor is `source_len` long along that dimension (and like the rows along the others)."""
+
+    param: nn.Parameter
+    start: int
+    rows: int
+    source_dim: int
+    source_start: int
+    source_len: int
+
+    def expected_shape(self) -> tuple[int, ...]:
+        """The shape the checkpoint tensor must have."""
+        shape = list(self.param.shape)
+        shape[0] = self.rows
+        shape[self.source_dim] = self.source_len
+        return tuple(shape)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: TPShard, tp: TPGroup):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.attention_out_bias, tp)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -47,12 +74,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: TPShard, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = GatedMLP(config.hidden_size, shard.intermediate_size, config.mlp_bias, tp)
 
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: KVCache,
                 md: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -69,10 +96,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: TPShard, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab_rows, config.hidden_size, shard.vocab_start, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -80,23 +107,31 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.tp = tp = tp or TPGroup()
+        self.shard = shard = TPShard.of(config, tp.rank, tp.size)
+        self.model = DecoderModel(config, shard, tp)
         # Tied models have no lm_head at all: the logits reuse the embedding matrix.
         self.lm_head = (
-            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else Linear(config.hidden_size, shard.vocab_rows, bias=False)
         )
         self.head_onednn = OneDNNWeight()
 
     @classmethod
-    def empty(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> DecoderForCausalLM:
-        """Allocate without initialising weights (the loader overwrites every one of them)."""
+    def empty(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+              tp: TPGroup | None = None) -> DecoderForCausalLM:
+        """Allocate without initialising weights (the loader overwrites every one of them, except
+        the vocabulary's padding rows under tensor parallelism, zeroed here)."""
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, tp)
         model = model.to_empty(device=device).to(dtype)
         model.model.rotary_emb.build(device)  # a buffer, not a weight: compute it for real
+        if model.shard.real_vocab_rows(config.vocab_size) < model.shard.vocab_rows:
+            for head in (model.model.embed_tokens, model.lm_head):
+                if head is not None:
+                    head.weight.detach().zero_()
         return model
 
     def forward(
@@ -111,27 +146,39 @@ class DecoderForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
         return self.model.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """Logits [rows, vocab_size]. Under tensor parallelism each rank computes its slice of the
+        vocabulary and rank 0 gathers them; the other ranks get None."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.head_onednn)
+        logits = self.tp.gather_columns(linear(hidden, weight, None, self.head_onednn))
+        return logits if logits is None or self.tp.size == 1 else logits[:, : self.config.vocab_size]
 
-    def checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
-        """Each checkpoint tensor name -> (our parameter, first row, number of rows) it fills."""
-        c = self.config
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    def checkpoint_targets(self) -> dict[str, Target]:
+        """Each checkpoint tensor name -> the Target (our parameter, rows, source slice) it fills."""
+        c, s = self.config, self.shard
+        q_rows, kv_rows, mlp_rows = s.num_heads * c.head_dim, s.num_kv_heads * c.head_dim, s.intermediate_size
+        # (part, rows of ours, where this rank's rows start in the checkpoint's tensor)
         fused = {
-            "qkv_proj": (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
-            "gate_up_proj": (("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
+            "qkv_proj": (("q_proj", q_rows, s.rank * q_rows), ("k_proj", kv_rows, s.kv_head_start * c.head_dim),
+                         ("v_proj", kv_rows, s.kv_head_start * c.head_dim)),
+            "gate_up_proj": (("gate_proj", mlp_rows, s.rank * mlp_rows), ("up_proj", mlp_rows, s.rank * mlp_rows)),
         }
+        row_parallel = {"o_proj": s.rank * q_rows, "down_proj": s.rank * mlp_rows}  # their input columns
         targets = {}
         for name, param in self.named_parameters():
             module_path, _, leaf = name.rpartition(".")
             parent, _, module = module_path.rpartition(".")
-            if module not in fused:
-                targets[name] = (param, 0, param.shape[0])
-                continue
-            start = 0
-            for part, rows in fused[module]:
-                targets[f"{parent}.{part}.{leaf}"] = (param, start, rows)
-                start += rows
+            if module in fused:
+                start = 0
+                for part, rows, source_start in fused[module]:
+                    whole = rows * s.size if part != "k_proj" and part != "v_proj" else c.num_kv_heads * c.head_dim
+                    targets[f"{parent}.{part}.{leaf}"] = Target(param, start, rows, 0, source_start, whole)
+                    start += rows
+            elif module in row_parallel and leaf == "weight":
+                columns = param.shape[1]
+                targets[name] = Target(param, 0, param.shape[0], 1, row_parallel[module], columns * s.size)
+            elif module in ("embed_tokens", "lm_head"):
+                targets[name] = Target(param, 0, s.real_vocab_rows(c.vocab_size), 0, s.vocab_start, c.vocab_size)
+            else:
+                targets[name] = Target(param, 0, param.shape[0], 0, 0, param.shape[0])
         return targets

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedserve.distributed.group import TPGroup
 from pagedserve.models import gguf_cache
 from pagedserve.models.config import ModelConfig, check_architecture
 from pagedserve.models.llama import DecoderForCausalLM
@@ -154,16 +155,19 @@ def load_config(model: str | None = None) -> ModelConfig:
 
 
 def load_model(
-    model: str | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    model: str | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    tp: TPGroup | None = None,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
-    """Build our decoder for a checkpoint (see resolve_model_path) and fill all its weights."""
+    """Build our decoder for a checkpoint (see resolve_model_path) and fill all its weights; with
+    a tensor-parallel group, this rank's share of them, read slice by slice where the file allows."""
     path = resolve_model_path(model)
     hf_config = _hf_config(path)
     config = _model_config(path, hf_config)
-    net = DecoderForCausalLM.empty(config, dtype, device)
+    net = DecoderForCausalLM.empty(config, dtype, device, tp)
     if _is_gguf(path):  # dequantized once, then read back from the cache (gguf_cache.py)
-        tensors = gguf_cache.cached(path, f"model-{str(dtype).removeprefix('torch.')}", _load_safetensors,
-                                    lambda: dict(_gguf_tensors(path, hf_config, dtype)), _save_safetensors).items()
+        tensors = gguf_cache.cached(path, f"model-{str(dtype).removeprefix('torch.')}", _cached_safetensors,
+                                    lambda: dict(_gguf_tensors(path, hf_config, dtype)), _save_safetensors)
+        tensors = tensors.items() if isinstance(tensors, dict) else tensors
     else:
         tensors = _safetensors_tensors(Path(path))
     load_weights(net, tensors)
@@ -182,9 +186,10 @@ def load_tokenizer(model: str | None = None) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_weights(net: DecoderForCausalLM, tensors: Iterable[tuple[str, Tensor]]) -> None:
-    """Copy checkpoint tensors (transformers names) into net. Every parameter must be filled
-    exactly by tensors of the right shape; any mismatch raises ValueError naming the tensor."""
+def load_weights(net: DecoderForCausalLM, tensors: Iterable[tuple[str, Tensor | Any]]) -> None:
+    """Copy checkpoint tensors (transformers names) into net: tensors, or safetensors slices of
+    which only the part this rank holds is read. Every parameter must be filled exactly by tensors
+    of the right shape; any mismatch raises ValueError naming the tensor."""
     targets = net.checkpoint_targets()
     tied = net.config.tie_word_embeddings
     loaded = set()
@@ -196,19 +201,29 @@ def load_weights(net: DecoderForCausalLM, tensors: Iterable[tuple[str, Tensor]])
                 f"checkpoint tensor {name!r} has no place in a {net.config.architecture} with this config "
                 "(do num_layers, biases or qk-norm disagree with the weights?)"
             )
-        param, start, rows = targets[name]
-        dest = param.detach().narrow(0, start, rows)  # unlike .data, shares the version counter
-        if tensor.shape != dest.shape:
+        target = targets[name]
+        dest = target.param.detach().narrow(0, target.start, target.rows)  # unlike .data, shares the version counter
+        shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else tuple(tensor.get_shape())
+        if shape != target.expected_shape():
             raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"but the config implies {tuple(dest.shape)}"
+                f"checkpoint tensor {name!r} has shape {shape}, but the config implies {target.expected_shape()}"
             )
-        dest.copy_(tensor)  # bumps the parameter's version: packed weight copies are remade
+        dest.copy_(_slice(tensor, target.source_dim, target.source_start, dest.shape[target.source_dim]))
+        # (copy_ bumps the parameter's version: packed weight copies are remade)
         loaded.add(name)
     missing = sorted(targets.keys() - loaded)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks tensors the config requires: {', '.join(missing[:5])}{more}")
+
+
+def _slice(tensor: Tensor | Any, dim: int, start: int, length: int) -> Tensor:
+    """tensor[start:start + length] along dim; a safetensors slice reads only that part."""
+    if isinstance(tensor, Tensor):
+        return tensor.narrow(dim, start, length)
+    index = [slice(None)] * len(tensor.get_shape())
+    index[dim] = slice(start, start + length)
+    return tensor[tuple(index)]
 
 
 def _is_gguf(path: str) -> bool:
@@ -280,13 +295,16 @@ def _safetensors_tensors(directory: Path) -> Iterator[tuple[str, Tensor]]:
             raise ValueError(f"{f} is not a valid safetensors file: {e}") from e
         with st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, st.get_tensor(name)
+                yield name, st.get_slice(name)
 
 
-def _load_safetensors(folder: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+def _cached_safetensors(folder: Path) -> Iterator[tuple[str, Any]]:
+    """The cached weights' (name, slice) pairs. The file is opened here, so that a damaged one
+    fails inside the cache's load (which then rebuilds it); its tensors are read as they are used."""
+    from safetensors import safe_open
 
-    return load_file(str(folder / "model.safetensors"))
+    st = safe_open(str(folder / "model.safetensors"), framework="pt", device="cpu")
+    return ((name, st.get_slice(name)) for name in st.keys())  # noqa: SIM118
 
 
 def _save_safetensors(tensors: dict[str, Tensor], folder: Path) -> None:

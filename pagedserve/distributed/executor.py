@@ -1,0 +1,213 @@
+"""The tensor-parallel executor: the driver (rank 0, in the engine's process) and N-1 workers.
+
+The engine core plans and samples once, on the driver; the driver holds the block tables. Each
+step the driver turns the plan into flat arrays (`ModelRunner.prepare`), broadcasts them to the
+workers (protocol.py: two broadcasts), and every rank runs its shard of the forward pass; the
+layers all-reduce their partial sums, and rank 0 gathers the vocabulary slices of the logits.
+
+Workers are spawned on this machine (distributed_executor_backend="mp"), or were started
+elsewhere and meet the driver through env:// ("external": `pagedserve worker`, or torchrun
+running the same command on every node). A worker that dies or a collective that times out
+breaks the group for good: the step raises ExecutorFailed, the remaining workers are stopped,
+and the engine fails every request (it does not try to contain such a fault).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagedserve.config import EngineConfig
+from pagedserve.distributed import protocol
+from pagedserve.distributed.worker import build_runner, join_group, leave_group, run_spawned
+from pagedserve.engine.executor import ExecutorFailed
+from pagedserve.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXIT_GRACE = 10.0  # seconds a worker may take to exit after SHUTDOWN before it is killed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedserve.models.loader import load_config
+        from pagedserve.models.sharding import check_tp_size
+
+        size = config.tensor_parallel_size
+        check_tp_size(load_config(config.model), size)  # before any process starts
+        if dist.is_initialized():
+            raise RuntimeError("this process is already in a torch.distributed group (another tensor-parallel "
+                               "engine?); shut that engine down first")
+        self.size = size
+        self.broadcast_seconds = 0.0  # time spent sending steps to the workers (bench profile)
+        self.num_steps = 0
+        self._failed: str | None = None
+        self._processes: list[mp.Process] = []
+        self._parent_ends: list = []
+        self._threads_before = torch.get_num_threads()
+        if config.distributed_executor_backend == "external":
+            init_method = "env://"
+            _check_driver_env(size)
+        else:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            torch.set_num_threads(max(1, self._threads_before // size))  # the same cores, shared by N ranks
+            self._spawn(config, init_method)
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._parent_ends, self._threads_before)
+        try:
+            self.tp, self.control = join_group(0, size, init_method, config.distributed_timeout, config.device)
+            dist.broadcast_object_list([config], src=0, group=self.control)
+            error = None
+            try:
+                self.runner = build_runner(config, self.tp, 0)
+            except Exception as e:
+                error = e
+            errors = [None] * size
+            dist.all_gather_object(errors, None if error is None else repr(error), group=self.control)
+            if error is not None:
+                raise error
+            if any(errors):
+                raise RuntimeError(next(e for e in errors if e))
+        except BaseException:
+            self.shutdown(notify=False)
+            raise
+        self.model_config = self.runner.model_config
+
+    def _spawn(self, config: EngineConfig, init_method: str) -> None:
+        ctx = mp.get_context("spawn")  # a clean interpreter: no forked threads or CUDA state
+        threads = torch.get_num_threads()
+        for rank in range(1, self.size):
+            child_end, parent_end = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=run_spawned, name=f"pagedserve-tp{rank}", daemon=True,
+                args=(rank, self.size, init_method, config.distributed_timeout, threads, config.device, child_end,
+                      logging.getLogger().getEffectiveLevel()))
+            process.start()
+            child_end.close()
+            self._processes.append(process)
+            self._parent_ends.append(parent_end)  # held open: its closing tells the worker we are gone
+
+    # ---- the Executor interface ------------------------------------------------------------
+
+    def measure_kv_budget(self, max_model_len: int) -> int:
+        """The smallest budget any rank measured (CUDA): every rank allocates the same pool."""
+        with self._collectives():
+            self._command(protocol.header(protocol.MEASURE_KV, max_model_len))
+            budget = torch.tensor([self.runner.measure_kv_budget(max_model_len)], dtype=torch.int64)
+            dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=self.control)
+        return int(budget)
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        # No CUDA graphs: a captured step would have to capture the collectives too.
+        with self._collectives():
+            self._command(protocol.header(protocol.INIT_KV, num_blocks))
+            self.runner.allocate_kv_cache(num_blocks)
+
+    def execute(self, step: SchedulerOutput, sample_rows: list[int],
+                prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        inputs = self.runner.prepare(step, sample_rows, prompt_spans)
+        with self._collectives():
+            start = time.perf_counter()
+            head, payload = protocol.pack_step(inputs)
+            self._command(head)
+            dist.broadcast(payload, src=0, group=self.control)
+            self.broadcast_seconds += time.perf_counter() - start
+            self.num_steps += 1
+            return self.runner.run(inputs)
+
+    def check_health(self) -> None:
+        """ExecutorFailed if the group is broken, or a spawned worker is gone."""
+        if self._failed is None:
+            dead = self._dead_workers()
+            if dead:
+                self._fail(dead)
+        if self._failed is not None:
+            raise ExecutorFailed(self._failed)
+
+    def shutdown(self, notify: bool = True) -> None:
+        """Tell the workers to exit (unless the group is broken), wait for them, leave the group."""
+        if notify and self._failed is None and dist.is_initialized():
+            try:
+                self._command(protocol.header(protocol.SHUTDOWN))
+            except Exception as e:
+                logger.warning("could not tell the workers to stop (%r); stopping them", e)
+        self._finalizer()
+        leave_group()
+
+    # ---- faults --------------------------------------------------------------------------
+
+    def _command(self, head: torch.Tensor) -> None:
+        dist.broadcast(head, src=0, group=self.control)
+
+    def _collectives(self) -> _Collectives:
+        return _Collectives(self)
+
+    def _dead_workers(self) -> str:
+        return "; ".join(f"worker rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
+                         for i, p in enumerate(self._processes) if not p.is_alive())
+
+    def _fail(self, reason: str) -> ExecutorFailed:
+        """Mark the group broken, stop what is left of it, and return the error to raise."""
+        if self._failed is None:
+            self._failed = f"the tensor-parallel group of {self.size} ranks broke: {reason}"
+            logger.error("%s; stopping the workers", self._failed)
+            self.shutdown(notify=False)
+        return ExecutorFailed(self._failed)
+
+
+class _Collectives:
+    """Around every exchange with the workers: refuse to start on a broken group, and turn an
+    error that breaks the group into ExecutorFailed. Other errors (a bad step, which every rank
+    hits alike) pass through for the engine to contain."""
+
+    def __init__(self, executor: TensorParallelExecutor) -> None:
+        self.executor = executor
+
+    def __enter__(self) -> None:
+        self.executor.check_health()
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is None or not isinstance(error, Exception) or isinstance(error, ExecutorFailed):
+            return False
+        dead = self.executor._dead_workers()
+        if dead or isinstance(error, dist.DistError) or any(
+                s in str(error) for s in ("gloo", "NCCL", "Connection closed", "Timed out")):
+            raise self.executor._fail(dead or repr(error)) from error
+        return False
+
+
+def _check_driver_env(size: int) -> None:
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ValueError("distributed_executor_backend='external' needs RANK, WORLD_SIZE, MASTER_ADDR and "
+                         "MASTER_PORT in the environment (torch.distributed's env:// rendezvous)")
+    if int(world) != size:
+        raise ValueError(f"WORLD_SIZE={world} but tensor_parallel_size={size}: one rank per shard")
+    if int(rank) != 0:
+        raise ValueError(f"RANK={rank}: the engine is the driver, rank 0; start other ranks with `pagedserve worker`")
+
+
+def _stop(processes: list, parent_ends: list, threads_before: int) -> None:
+    """Wait for the workers to exit, kill those that do not, and close their lifelines."""
+    deadline = time.monotonic() + WORKER_EXIT_GRACE
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for end in parent_ends:
+        end.close()
+    torch.set_num_threads(threads_before)
