@@ -59,10 +59,10 @@ class TensorParallelExecutor:
         self._parent_ends: list = []
         self._threads_before = torch.get_num_threads()
         if config.distributed_executor_backend == "external":
-            init_method = "env://"
+            self.init_method = init_method = "env://"
             _check_driver_env(size)
         else:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
+            self.init_method = init_method = f"tcp://127.0.0.1:{free_port()}"
             torch.set_num_threads(max(1, self._threads_before // size))  # the same cores, shared by N ranks
             self._spawn(config, init_method)
         self._finalizer = weakref.finalize(self, _stop, self._processes, self._parent_ends, self._threads_before)
@@ -98,6 +98,11 @@ class TensorParallelExecutor:
             child_end.close()
             self._processes.append(process)
             self._parent_ends.append(parent_end)  # held open: its closing tells the worker we are gone
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes this executor spawned (none with external workers)."""
+        return [p.pid for p in self._processes]
 
     # ---- the Executor interface ------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagedserve.engine.core_messages import CoreStats
+from pagedserve.engine.executor import HEALTH_CHECK_INTERVAL, ExecutorFailed
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.kv import KVCacheStats
 from pagedserve.outputs import RequestOutput
@@ -169,6 +170,7 @@ class AsyncLLMEngine:
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []  # guarded by _cond
         self._stopping = False
+        self._dead: str | None = None  # why the engine can run no more steps, once it cannot
         self._thread: threading.Thread | None = None
         self._tracker = RequestTracker()  # engine thread only
         self.stats = self._snapshot()
@@ -205,10 +207,11 @@ class AsyncLLMEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
+        self.engine.shutdown()  # its tensor-parallel workers, if any
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._thread is not None and self._thread.is_alive() and not self._stopping and self._dead is None
 
     def add_finish_hook(self, hook: Callable[[RequestOutput], None]) -> None:
         """Call `hook(output)` on the engine thread with the last output of each request that
@@ -242,6 +245,10 @@ class AsyncLLMEngine:
                 if isinstance(command, _Abort):
                     return  # shutdown aborts everything anyway
                 raise EngineError("the engine is shut down")
+            if self._dead is not None:
+                if isinstance(command, _Abort):
+                    return
+                raise EngineError(self._dead)
             self._commands.append(command)
             self._cond.notify()
 
@@ -252,19 +259,25 @@ class AsyncLLMEngine:
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                    self._cond.wait()  # idle: sleep until a request arrives
+                    # idle: sleep until a request arrives, looking at the workers' health now and then
+                    if not self._cond.wait(HEALTH_CHECK_INTERVAL) and not self._healthy():
+                        break
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
             if stopping:
                 self._stop(commands)
                 return
-            for command in commands:
-                self._apply(command)
-            deliveries = self._step() if engine.has_unfinished_requests() else []
+            if self._dead is None:
+                for command in commands:
+                    self._apply(command)
+            deliveries = self._step() if self._dead is None and engine.has_unfinished_requests() else []
             # Publish before delivering: a client that got its last output sees the figures after it.
             self.stats = self._snapshot()
             for stream, item in deliveries:
                 stream.put(item)
+            if self._dead is not None:
+                self._stop(commands)  # fail what is queued; the thread ends, is_running turns False
+                return
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
@@ -283,9 +296,22 @@ class AsyncLLMEngine:
             return
         self._tracker.add(command.request_id, command.stream, command.params.n)
 
+    def _healthy(self) -> bool:
+        try:
+            self.engine.core.check_health()
+        except ExecutorFailed as e:
+            logger.error("%s", e)
+            self._dead = str(e)
+            return False
+        return True
+
     def _step(self) -> list[tuple[RequestStream, RequestOutput | Exception]]:
         try:
             outputs = self.engine.step()
+        except ExecutorFailed as e:  # no step can run any more: fail everyone, stop serving
+            logger.error("%s; failing %d request(s)", e, len(self._tracker.entries))
+            self._dead = str(e)
+            return self._fail_all(EngineError(str(e)))
         except Exception as e:
             # The engine could not pin the fault on a request (it fails those itself): fail what
             # is in flight, free its blocks, keep serving.
@@ -304,7 +330,7 @@ class AsyncLLMEngine:
         return deliveries
 
     def _stop(self, commands: list[_Add | _Abort]) -> None:
-        error = EngineError("the engine is shut down")
+        error = EngineError(self._dead or "the engine is shut down")
         for command in commands:
             if isinstance(command, _Add):
                 command.stream.put(error)

@@ -12,6 +12,7 @@ holds, and exits this process when the pipe closes (the API process ended, even 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -21,6 +22,7 @@ import msgspec
 import zmq
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.executor import HEALTH_CHECK_INTERVAL, ExecutorFailed
 from pagedserve.engine.core_messages import (AbortRequests, CoreCommand, CoreFailed, CoreReady, EngineCoreOutputs,
                                              EngineCoreRequest, SampleOutput, Shutdown, StopSamples)
 
@@ -31,6 +33,9 @@ def run_engine_core(config: EngineConfig, eos_token_ids: list[int], command_addr
                     parent_alive: Connection, log_level: int = logging.INFO) -> None:
     """The core process's main function (a multiprocessing target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
+    # Started as a daemon (its parent ends it at exit), but it may start tensor-parallel workers,
+    # which multiprocessing refuses to a daemon; they end with this process (worker.py).
+    multiprocessing.current_process().daemon = False
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s pagedserve.core: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent_alive,), name="parent-watch", daemon=True).start()
     context = zmq.Context()
@@ -53,11 +58,15 @@ def run_engine_core(config: EngineConfig, eos_token_ids: list[int], command_addr
     core.structured_output.preload()  # this process has no tokenizer: load its vocabulary while idle
     try:
         _busy_loop(core, commands, outputs, encoder)
+    except ExecutorFailed as e:
+        outputs.send(encoder.encode(CoreFailed(str(e))))
+        raise SystemExit(1) from None
     except BaseException as e:
         logger.exception("the engine core failed")
         outputs.send(encoder.encode(CoreFailed(f"the engine core failed: {e!r}")))
         raise SystemExit(1) from None
     finally:
+        core.shutdown()
         outputs.close(linger=1000)
         commands.close(linger=0)
         context.term()
@@ -66,7 +75,12 @@ def run_engine_core(config: EngineConfig, eos_token_ids: list[int], command_addr
 def _busy_loop(core, commands: zmq.Socket, outputs: zmq.Socket, encoder: msgspec.msgpack.Encoder) -> None:
     decoder = msgspec.msgpack.Decoder(CoreCommand)
     while True:
-        frames = [] if core.has_unfinished_requests() else [commands.recv()]  # idle: block
+        frames = []
+        while not core.has_unfinished_requests() and not frames:  # idle: block, looking at the workers now and then
+            if commands.poll(HEALTH_CHECK_INTERVAL * 1000):
+                frames.append(commands.recv())
+            else:
+                core.check_health()  # ExecutorFailed ends this process: the front fails what it holds
         while True:
             try:
                 frames.append(commands.recv(zmq.NOBLOCK))
@@ -101,6 +115,8 @@ def _apply(core, command: CoreCommand) -> list[SampleOutput]:
 def _step(core) -> list[SampleOutput]:
     try:
         return core.step()
+    except ExecutorFailed:
+        raise  # no step can run any more
     except Exception as e:
         # The core could not pin the fault on a request (it fails those itself): fail what is in
         # flight, free its blocks, keep serving.

@@ -19,6 +19,10 @@ from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.models.config import ModelConfig
 
 
+# Seconds between an idle engine's looks at its executor's health (a tensor-parallel worker may die then).
+HEALTH_CHECK_INTERVAL = 1.0
+
+
 class ExecutorFailed(RuntimeError):
     """The executor can run no more steps (a tensor-parallel worker died, a collective failed or
     timed out). Fatal to the engine: no step is retried."""

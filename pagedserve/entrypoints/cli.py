@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 def cmd_kv_calc(args: argparse.Namespace) -> None:
     from pagedserve.entrypoints.kv_calc import report, resolve_shape
 
-    print(report(resolve_shape(args.model), args.dtype, args.tokens))
+    print(report(resolve_shape(args.model), args.dtype, args.tokens, args.tp_size, args.kv_cache_memory_bytes))
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> None:
@@ -435,6 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--model", required=True, help="a preset (e.g. llama-3-8b), a config.json or an HF model directory")
     kv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "fp8"])
     kv.add_argument("--tokens", type=int, default=None, help="context length (default: the model's maximum)")
+    # dest tp_size, not tensor_parallel_size: main() sends commands with that attribute to a worker
+    # when RANK is set, and kv-calc starts no ranks.
+    kv.add_argument("--tensor-parallel-size", dest="tp_size", type=positive(int), default=1,
+                    help="report per rank: each of N ranks holds max(1, KV heads / N) KV heads (default: 1)")
+    kv.add_argument("--kv-cache-memory-bytes", type=positive(int), default=None,
+                    help="the KV pool per device: report the tokens it holds (default with N > 1: what N=1 "
+                    "needs for --tokens)")
     kv.set_defaults(func=cmd_kv_calc)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -541,14 +549,33 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--json", default=None)
     srv.set_defaults(func=cmd_bench_serving)
 
+    worker = sub.add_parser(
+        "worker", help="a tensor-parallel rank > 0 for an engine on another machine (env:// rendezvous)",
+        description="Join the tensor-parallel group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT name "
+        "(torch.distributed's env://) and run this rank's shard of every step until the driver (RANK=0: any "
+        "engine command with --tensor-parallel-size WORLD_SIZE) shuts down. The model and engine settings come "
+        "from the driver; the model path must exist on this machine too.")
+    worker.add_argument("--distributed-timeout", type=positive(float), default=300.0,
+                        help="seconds a collective may wait for the other ranks (default: 300)")
+    worker.set_defaults(func=cmd_worker)
+
     exp = sub.add_parser("export-hf", help="write the embedded model as an HF directory (for vLLM)")
     exp.add_argument("--out", required=True)
     exp.set_defaults(func=cmd_export_hf)
     return parser
 
 
+def cmd_worker(args: argparse.Namespace) -> None:
+    from pagedserve.distributed.worker import run_from_env
+
+    run_from_env(args.distributed_timeout)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if getattr(args, "tensor_parallel_size", 1) > 1 and os.environ.get("RANK", "0") != "0":
+        # torchrun starts this same command on every rank: the driver is rank 0, the rest serve it.
+        args.func, args.distributed_timeout = cmd_worker, getattr(args, "distributed_timeout", 300.0)
     try:
         args.func(args)
     except ValueError as e:

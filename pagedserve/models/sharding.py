@@ -33,15 +33,10 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
 
 
 def _split_error(config: ModelConfig, n: int) -> str | None:
-    if n < 1:
-        return "it must be >= 1"
-    if config.num_heads % n:
-        return f"its {config.num_heads} attention heads are not a multiple of {n}"
-    if config.num_kv_heads % n and n % config.num_kv_heads:
-        return f"its {config.num_kv_heads} KV heads neither divide into {n} parts nor into {n} copies"
-    if config.intermediate_size % n:
-        return f"its MLP width {config.intermediate_size} is not a multiple of {n}"
-    return None
+    # The integer rule lives in kv_calc (no torch there), so `pagedserve kv-calc` accepts the same sizes.
+    from pagedserve.entrypoints.kv_calc import tp_split_error
+
+    return tp_split_error(config.num_heads, config.num_kv_heads, config.intermediate_size, n)
 
 
 @dataclass(frozen=True)
