@@ -150,6 +150,9 @@ class TensorParallelExecutor:
                 logger.warning("could not tell the workers to stop (%r); stopping them", e)
         self._finalizer()
         leave_group()
+        # The groups hold the rendezvous store, whose server socket stays bound while they live.
+        if hasattr(self, "tp"):
+            self.tp.group = self.control = None
 
     # ---- faults --------------------------------------------------------------------------
 
@@ -168,6 +171,8 @@ class TensorParallelExecutor:
         if self._failed is None:
             self._failed = f"the tensor-parallel group of {self.size} ranks broke: {reason}"
             logger.error("%s; stopping the workers", self._failed)
+            for process in self._processes:  # no use waiting: they cannot hear a SHUTDOWN now
+                process.kill()
             self.shutdown(notify=False)
         return ExecutorFailed(self._failed)
 
@@ -205,7 +210,11 @@ def _check_driver_env(size: int) -> None:
 
 
 def _stop(processes: list, parent_ends: list, threads_before: int) -> None:
-    """Wait for the workers to exit, kill those that do not, and close their lifelines."""
+    """Stop the workers: close their lifelines (a worker whose parent's pipe closes exits, so this
+    also ends workers that were never told SHUTDOWN, as at garbage collection or exit), wait for
+    them, and kill any that hang on."""
+    for end in parent_ends:
+        end.close()
     deadline = time.monotonic() + WORKER_EXIT_GRACE
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -213,6 +222,4 @@ def _stop(processes: list, parent_ends: list, threads_before: int) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-    for end in parent_ends:
-        end.close()
     torch.set_num_threads(threads_before)

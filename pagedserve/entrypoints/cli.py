@@ -108,8 +108,8 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagedserve.entrypoints.llm import LLM
 
-    llm = LLM(**engine_kwargs(args))
-    outputs = llm.generate(args.prompts, sampling_params(args), use_tqdm=False)
+    with LLM(**engine_kwargs(args)) as llm:
+        outputs = llm.generate(args.prompts, sampling_params(args), use_tqdm=False)
     for output in outputs:
         if output.error is not None:  # the engine failed on this prompt alone: the others printed
             print(f"error: prompt {output.prompt!r}: {output.error}", file=sys.stderr)
