@@ -4,12 +4,15 @@ machine's float32 matmul ceiling for this model.
 For each batch size B, B requests with sharegpt-like prompts are prefilled, then decode steps (one
 new token per request) are timed and split into
   schedule   Scheduler.schedule
-  prepare    ModelRunner.execute minus the model (input ids, AttentionMetadata, logits rows)
+  prepare    the executor's step minus the model (input ids, AttentionMetadata, logits rows)
+  broadcast  tensor parallelism: sending the step's inputs to the other ranks (two broadcasts)
   forward    the model's forward (embedding, all layers, final norm)
   logits     compute_logits (the LM head)
   sample     SamplingBatch.build + Sampler
   engine     the rest of LLMEngine.step (append tokens, detokenize, stop checks, outputs)
-"outside the model" is everything but forward and logits. Figures are medians over the steps.
+"outside the model" is everything but forward and logits. With tensor parallelism, "collectives"
+is the part of forward and logits that rank 0 spends in all-reduces and the logits gather (waiting
+for the other ranks included). Figures are medians over the steps.
 
 The ceiling: the model's own weight matrices multiplied by a 512-token activation, one layer after
 another as a forward runs them, through torch's default CPU matmul and through oneDNN's; the
@@ -36,7 +39,7 @@ from pagedserve.engine.sampler import SamplingBatch
 from pagedserve.models.layers import OneDNNWeight, linear
 from pagedserve.sampling_params import SamplingParams
 
-PARTS = ("schedule", "prepare", "forward", "logits", "sample", "engine")
+PARTS = ("schedule", "prepare", "broadcast", "forward", "logits", "sample", "engine")
 
 
 @dataclass
@@ -89,9 +92,18 @@ class Timers:
 
 
 def profile_decode(model, tokenizer, batch: int, steps: int = 20, torch_profile: bool = False,
-                   **workload_kwargs) -> StepProfile:
-    """Decode steps of `batch` requests from `sharegpt_like(batch, seed=batch, **workload_kwargs)`."""
-    engine = LLMEngine(EngineConfig(num_kv_blocks=4096), model=model, tokenizer=tokenizer)
+                   tensor_parallel_size: int = 1, model_path: str | None = None, **workload_kwargs) -> StepProfile:
+    """Decode steps of `batch` requests from `sharegpt_like(batch, seed=batch, **workload_kwargs)`.
+    With tensor parallelism the ranks load their shards of `model_path` (the loaded `model` is unused)."""
+    config = EngineConfig(model=model_path, num_kv_blocks=4096, tensor_parallel_size=tensor_parallel_size)
+    engine = LLMEngine(config, model=model if tensor_parallel_size == 1 else None, tokenizer=tokenizer)
+    try:
+        return _profile_steps(engine, batch, steps, torch_profile, **workload_kwargs)
+    finally:
+        engine.shutdown()
+
+
+def _profile_steps(engine: LLMEngine, batch: int, steps: int, torch_profile: bool, **workload_kwargs) -> StepProfile:
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)  # outlasts the timed steps
     for i, request in enumerate(sharegpt_like(batch, seed=batch, **workload_kwargs).requests):
         engine.add_request(str(i), request.prompt_token_ids, params)
@@ -101,24 +113,32 @@ def profile_decode(model, tokenizer, batch: int, steps: int = 20, torch_profile:
         engine.step()  # warm-up decode steps
 
     timers = Timers()
+    executor, model = engine.core.executor, engine.runner.model
     timers.wrap(engine.scheduler, "schedule", "schedule")
-    timers.wrap(engine.runner, "execute", "execute")
-    timers.wrap(engine.runner.model, "forward", "forward")
-    timers.wrap(engine.runner.model, "compute_logits", "logits")
+    timers.wrap(executor, "execute", "execute")
+    timers.wrap(model, "forward", "forward")
+    timers.wrap(model, "compute_logits", "logits")
+    if model.tp.size > 1:
+        timers.wrap(model.tp, "all_reduce", "collectives")
+        timers.wrap(model.tp, "gather_columns", "collectives")
     timers.wrap(engine.core, "sampler", "sample")
     timers.wrap(SamplingBatch, "build", "sample_build")
     rows = []
     try:
         with torch.profiler.profile() if torch_profile else contextlib.nullcontext() as profiler:
             for _ in range(steps):
+                sent = getattr(executor, "broadcast_seconds", 0.0)
                 start = time.perf_counter()
                 engine.step()
                 total = time.perf_counter() - start
                 t = timers.take()
-                row = {"schedule": t.get("schedule", 0.0), "prepare": t["execute"] - t["forward"] - t["logits"],
+                broadcast = getattr(executor, "broadcast_seconds", 0.0) - sent
+                row = {"schedule": t.get("schedule", 0.0), "broadcast": broadcast,
+                       "prepare": t["execute"] - t["forward"] - t["logits"] - broadcast,
                        "forward": t["forward"], "logits": t["logits"],
                        "sample": t.get("sample", 0.0) + t.get("sample_build", 0.0)}
                 row["engine"] = total - sum(row.values())
+                row["collectives"] = t.get("collectives", 0.0)
                 rows.append((total, row))
         if torch_profile:
             print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
@@ -128,7 +148,7 @@ def profile_decode(model, tokenizer, batch: int, steps: int = 20, torch_profile:
     for i in range(batch):
         engine.abort_request(str(i))
     return StepProfile(batch, context, statistics.median(total for total, _ in rows),
-                       {k: statistics.median(row[k] for _, row in rows) for k in PARTS})
+                       {k: statistics.median(row[k] for _, row in rows) for k in (*PARTS, "collectives")})
 
 
 def matmul_params(model) -> int:
@@ -158,7 +178,8 @@ def matmul_ceiling(model, tokens: int = 512, reps: int = 3) -> float:
     return flops / best
 
 
-def run_profile_bench(batches=(1, 16, 64), steps: int = 20, torch_profile: bool = False, log=print) -> dict:
+def run_profile_bench(batches=(1, 16, 64), steps: int = 20, torch_profile: bool = False,
+                      tensor_parallel_size: int = 1, log=print) -> dict:
     from pagedserve.models.loader import load_model, load_tokenizer
 
     model, tokenizer = load_model(), load_tokenizer()
@@ -169,10 +190,11 @@ def run_profile_bench(batches=(1, 16, 64), steps: int = 20, torch_profile: bool 
     log(f"matmul ceiling: {flop_rate / 1e9:.1f} GFLOP/s = {ceiling:.0f} tok/s at {flops_per_token / 1e6:.1f} MFLOP/token")
     rows = []
     for batch in batches:
-        rows.append(profile_decode(model, tokenizer, batch, steps, torch_profile))
+        rows.append(profile_decode(model, tokenizer, batch, steps, torch_profile, tensor_parallel_size))
         log(f"  batch {batch}: {rows[-1].step_s * 1e3:.1f} ms/step, {rows[-1].tokens_per_s:.1f} tok/s, "
             f"{rows[-1].outside_s / rows[-1].step_s:.1%} outside the model")
-    return {"threads": torch.get_num_threads(), "matmul_gflops": flop_rate / 1e9,
+    return {"threads": torch.get_num_threads(), "tensor_parallel_size": tensor_parallel_size,
+            "matmul_gflops": flop_rate / 1e9,
             "flops_per_token": flops_per_token, "ceiling_tokens_per_s": ceiling,
             "steps": [{**asdict(r), "tokens_per_s": r.tokens_per_s, "outside_share": r.outside_s / r.step_s}
                       for r in rows]}
@@ -182,14 +204,15 @@ def format_table(report: dict) -> str:
     ceiling = report["ceiling_tokens_per_s"]
     lines = [f"float32 matmul ceiling on this model's weights: {report['matmul_gflops']:.1f} GFLOP/s = "
              f"{ceiling:.0f} tokens/s ({report['flops_per_token'] / 1e6:.1f} MFLOP per token), "
-             f"{report['threads']} threads.", "",
+             f"{report['threads']} threads, tensor parallel size {report.get('tensor_parallel_size', 1)}.", "",
              "| batch | mean context | step ms | decode tok/s | vs ceiling | outside the model | "
-             + " | ".join(f"{p} ms" for p in PARTS) + " |",
-             "|" + "---:|" * (6 + len(PARTS))]
+             + " | ".join(f"{p} ms" for p in PARTS) + " | of which collectives ms |",
+             "|" + "---:|" * (7 + len(PARTS))]
     for s in report["steps"]:
         lines.append(f"| {s['batch']} | {s['mean_context']:.0f} | {s['step_s'] * 1e3:.1f} | {s['tokens_per_s']:.1f} | "
                      f"{s['tokens_per_s'] / ceiling:.0%} | {s['outside_share']:.1%} | "
-                     + " | ".join(f"{s['parts_s'][p] * 1e3:.2f}" for p in PARTS) + " |")
+                     + " | ".join(f"{s['parts_s'].get(p, 0.0) * 1e3:.2f}" for p in PARTS)
+                     + f" | {s['parts_s'].get('collectives', 0.0) * 1e3:.2f} |")
     return "\n".join(lines)
 
 
@@ -204,7 +227,7 @@ def plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.2))
     left = [0.0] * len(steps)
     for part in PARTS:
-        shares = [s["parts_s"][part] / s["step_s"] * 100 for s in steps]
+        shares = [s["parts_s"].get(part, 0.0) / s["step_s"] * 100 for s in steps]
         ax.barh(labels, shares, left=left, label=part)
         left = [a + b for a, b in zip(left, shares)]
     ax.set_xlabel("share of a decode step (%)")

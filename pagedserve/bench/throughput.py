@@ -77,15 +77,25 @@ def timed(run, reps: int, warm_up=None) -> list[float]:
 
 
 def run_pagedserve(workload: Workload, reps: int, model, tokenizer, label: str = "pagedserve",
-                   **engine_kwargs) -> SystemResult:
+                   model_path: str | None = None, **engine_kwargs) -> SystemResult:
+    """`model`: loaded weights to share, or (with tensor parallelism, where each rank loads its
+    shard) None and the checkpoint's `model_path`."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM.from_engine(LLMEngine(EngineConfig(**engine_kwargs), model=model, tokenizer=tokenizer))
+    config = EngineConfig(model=model_path, **engine_kwargs)
+    tp = config.tensor_parallel_size
+    llm = LLM.from_engine(LLMEngine(config, model=model if tp == 1 else None, tokenizer=tokenizer))
     startup_s = time.perf_counter() - start
+    if tp > 1:  # time rank 0's collectives (waits for the other ranks included)
+        from pagedserve.bench.profile import Timers
+
+        timers = Timers()
+        timers.wrap(llm.llm_engine.runner.model.tp, "all_reduce", "collectives")
+        timers.wrap(llm.llm_engine.runner.model.tp, "gather_columns", "collectives")
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
     params = [SamplingParams(n=r.n, max_tokens=r.output_len, temperature=0.0 if r.n == 1 else 1.0, seed=i,
                              ignore_eos=True) for i, r in enumerate(workload.requests)]
@@ -98,10 +108,19 @@ def run_pagedserve(workload: Workload, reps: int, model, tokenizer, label: str =
         assert produced == workload.num_output_tokens, (produced, workload.num_output_tokens)
         token_ids[:] = [list(out.outputs[0].token_ids) for out in outputs]
 
-    config = llm.llm_engine.config
     kv = "" if config.kv_cache_dtype == "auto" else f" {config.kv_cache_dtype}"
-    return SystemResult(label, timed(run, reps), workload.num_prompt_tokens, workload.num_output_tokens,
-                        note=f"paged{kv} KV, block {config.block_size}", startup_s=startup_s, token_ids=token_ids)
+    note = f"paged{kv} KV, block {config.block_size}"
+    try:
+        seconds = timed(run, reps)
+    finally:
+        if tp > 1:
+            executor = llm.llm_engine.core.executor
+            steps = max(1, executor.num_steps)
+            note += (f"; {tp} ranks, per step: {executor.broadcast_seconds / steps * 1e3:.2f} ms broadcast, "
+                     f"{timers.totals['collectives'] / steps * 1e3:.1f} ms collectives")
+        llm.shutdown()
+    return SystemResult(label, seconds, workload.num_prompt_tokens, workload.num_output_tokens,
+                        note=note, startup_s=startup_s, token_ids=token_ids)
 
 
 def _hf_generation_kwargs(n: int) -> dict:
@@ -276,10 +295,14 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
     runs = []  # (label, thunk returning a SystemResult): one per row of the table
     for system in systems:
         if system == "pagedserve":
-            runs.append(("pagedserve", lambda: run_ours(**engine_kwargs)))
+            tp = engine_kwargs.get("tensor_parallel_size", 1)
+            runs.append(("pagedserve", lambda: run_ours(**(engine_kwargs | {"tensor_parallel_size": 1}))))
+            if tp > 1:  # against TP=1 on the same cores: the ranks share the threads TP=1 has
+                runs.append((f"pagedserve-tp{tp}", lambda: run_pagedserve(
+                    workload, reps, None, ours()[0][1], label=f"pagedserve (TP={tp})", model_path=model, **engine_kwargs)))
         elif system == "pagedserve-fp8":
             runs.append(("pagedserve-fp8", lambda: run_ours(
-                label="pagedserve (fp8 KV)", **(engine_kwargs | {"kv_cache_dtype": "fp8"}))))
+                label="pagedserve (fp8 KV)", **(engine_kwargs | {"kv_cache_dtype": "fp8", "tensor_parallel_size": 1}))))
         elif system == "hf-static":
             runs += [(f"hf-static (batch {b})", lambda b=b: run_hf_static(workload, reps, hf_model(), b))
                      for b in hf_batch_sizes]

@@ -17,7 +17,6 @@ import datetime
 import logging
 import os
 import signal
-import threading
 from multiprocessing.connection import Connection
 
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from pagedserve.distributed import protocol
 from pagedserve.distributed.group import TPGroup
+from pagedserve.engine.core_process import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def run_spawned(rank: int, size: int, init_method: str, timeout_s: float, thread
     """Entry point of a worker process that the engine spawned on this machine."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which shuts us down
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s pagedserve.rank{rank}: %(message)s")
-    threading.Thread(target=_exit_with_parent, args=(parent_alive,), name="parent-watch", daemon=True).start()
+    exit_with_parent(parent_alive)
     torch.set_num_threads(threads)
     try:
         serve(rank, size, init_method, timeout_s, local_rank=rank, device=device)
@@ -135,10 +135,3 @@ def run_from_env(timeout_s: float) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     serve(rank, size, "env://", timeout_s, int(os.environ.get("LOCAL_RANK", "0")), device)
 
-
-def _exit_with_parent(parent_alive: Connection) -> None:
-    try:
-        parent_alive.recv()  # nothing is ever sent: returns only when the other end closes
-    except (EOFError, OSError):
-        pass
-    os._exit(1)

@@ -105,7 +105,7 @@ class EngineCore:
         measured = self.executor.measure_kv_budget(config.max_model_len or model_max_len) \
             if config.measures_kv_budget else None
         # Under tensor parallelism a block holds each rank's share of the KV heads.
-        kv_heads = kv_heads_per_rank(model_config, config.tensor_parallel_size)
+        kv_heads = kv_heads_per_rank(model_config.num_kv_heads, config.tensor_parallel_size)
         self.num_blocks, self.max_model_len = config.resolve_kv_pool(
             model_config.kv_bytes_per_token(config.kv_torch_dtype, kv_heads), model_max_len, measured)
         self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)

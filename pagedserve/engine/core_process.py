@@ -37,7 +37,7 @@ def run_engine_core(config: EngineConfig, eos_token_ids: list[int], command_addr
     # which multiprocessing refuses to a daemon; they end with this process (worker.py).
     multiprocessing.current_process().daemon = False
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s pagedserve.core: %(message)s")
-    threading.Thread(target=_exit_with_parent, args=(parent_alive,), name="parent-watch", daemon=True).start()
+    exit_with_parent(parent_alive)
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     commands.connect(command_address)
@@ -124,9 +124,14 @@ def _step(core) -> list[SampleOutput]:
         return core.fail_all(f"the engine failed while running this request: {e!r}")
 
 
-def _exit_with_parent(parent_alive: Connection) -> None:
-    try:
-        parent_alive.recv()  # nothing is ever sent: returns only when the other end closes
-    except (EOFError, OSError):
-        pass
-    os._exit(1)
+def exit_with_parent(parent_alive: Connection) -> None:
+    """Exit this process (at once, from a watcher thread) when the pipe's other end, which only
+    the parent holds, closes: the parent ended, even by SIGKILL."""
+    def watch() -> None:
+        try:
+            parent_alive.recv()  # nothing is ever sent: returns only when the other end closes
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

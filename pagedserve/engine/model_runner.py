@@ -22,6 +22,7 @@ from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.kv import BlockCopy
 from pagedserve.kv.sizes import cdiv
 from pagedserve.models.config import ModelConfig
+from pagedserve.models.sharding import kv_heads_per_rank
 
 
 @dataclass
@@ -69,7 +70,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
-        kv_heads = self.model.shard.num_kv_heads  # this rank's, under tensor parallelism
+        kv_heads = kv_heads_per_rank(c.num_kv_heads, self.config.tensor_parallel_size)  # this rank's
         self.kv_caches = allocate_kv_cache(c.num_layers, num_blocks, self.block_size, kv_heads, c.head_dim,
                                            self.config.kv_torch_dtype, self.device)
 

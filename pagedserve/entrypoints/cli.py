@@ -237,7 +237,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         workload, args.systems.split(","), reps=args.reps, hf_batch_sizes=tuple(args.hf_batch_sizes),
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python, hf_model_dir=args.hf_model_dir,
         engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                       "kv_cache_memory_bytes": args.kv_cache_memory_bytes},
+                       "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+                       "tensor_parallel_size": args.tensor_parallel_size},
         device=args.device, model=args.model, dtype=resolve_dtype(args.dtype, args.device))
     table = markdown_table(workload, results)
     if args.device == "cpu" and args.model is None and any(r.system == "pagedserve" and not r.skipped for r in results):
@@ -293,10 +294,12 @@ def cmd_bench_startup(args: argparse.Namespace) -> None:
 def cmd_bench_profile(args: argparse.Namespace) -> None:
     from pagedserve.bench.profile import format_table, plot, run_profile_bench
 
-    report = run_profile_bench(batches=tuple(args.batches), steps=args.steps, torch_profile=args.torch_profile)
+    report = run_profile_bench(batches=tuple(args.batches), steps=args.steps, torch_profile=args.torch_profile,
+                               tensor_parallel_size=args.tensor_parallel_size)
     table = format_table(report)
     print(table)
-    save_report(args.out_dir, "bench_profile", table, lambda png: plot(report, png), args.json, report)
+    name = "bench_profile" if args.tensor_parallel_size == 1 else f"bench_profile_tp{args.tensor_parallel_size}"
+    save_report(args.out_dir, name, table, lambda png: plot(report, png), args.json, report)
 
 
 def cmd_bench_overhead(args: argparse.Namespace) -> None:
@@ -470,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--max-num-seqs", type=int, default=256)
     thr.add_argument("--max-num-batched-tokens", type=int, default=2048)
     thr.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="pagedserve's KV pool (default: 1 GiB on CPU)")
+    thr.add_argument("--tensor-parallel-size", type=positive(int), default=1,
+                     help="also run pagedserve split over this many processes, beside TP=1 on the same threads")
     thr.add_argument("--device", default="cpu", help="where pagedserve and transformers run (cpu or cuda)")
     thr.add_argument("--model", default=None, help="an HF directory for pagedserve and transformers (default: "
                      "embedded; vLLM and llama.cpp always run the embedded model)")
@@ -510,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     prof.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     prof.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's op table")
+    prof.add_argument("--tensor-parallel-size", type=positive(int), default=1,
+                      help="profile the model split over this many processes (the embedded model: 1 or 3)")
     prof.add_argument("--out-dir", default="docs")
     prof.add_argument("--json", default=None)
     prof.set_defaults(func=cmd_bench_profile)

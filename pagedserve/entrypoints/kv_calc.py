@@ -2,6 +2,9 @@
 
 Per token, every layer stores one key and one value vector per KV head:
     2 x layers x kv_heads x head_dim x bytes per element.
+
+With tensor parallelism over N ranks each rank's pool holds max(1, kv_heads // N) KV heads (copies
+when N > kv_heads, as vLLM does), so the same memory per device holds more tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from pagedserve.kv.sizes import kv_bytes_per_token
+from pagedserve.models.sharding import check_split, kv_heads_per_rank
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
@@ -19,24 +23,30 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 class KVShape:
     name: str
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     max_context: int
+    intermediate_size: int | None = None  # the MLP width; None when the config does not say
 
-    def bytes_per_token(self, dtype: str) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, DTYPE_BYTES[dtype])
+    def bytes_per_token(self, dtype: str, tp_size: int = 1) -> int:
+        """Per rank: each of `tp_size` ranks stores only its own KV heads."""
+        kv_heads = kv_heads_per_rank(self.num_kv_heads, tp_size)
+        return kv_bytes_per_token(self.num_layers, kv_heads, self.head_dim, DTYPE_BYTES[dtype])
 
 
+# Pure integers, no torch: kv-calc must stay light, and pagedserve.models.sharding (which imports
+# torch via ModelConfig) calls this too, so both accept the same sizes.
 PRESETS = {
     s.name: s
     for s in [
-        KVShape("llama-3-8b", 32, 8, 128, 8192),
-        KVShape("llama-3-70b", 80, 8, 128, 8192),
-        KVShape("llama-2-7b", 32, 32, 128, 4096),
-        KVShape("mistral-7b", 32, 8, 128, 32768),
-        KVShape("qwen2.5-7b", 28, 4, 128, 32768),
-        KVShape("opt-13b", 40, 40, 128, 2048),  # the vLLM paper's example: 800 KB per token
-        KVShape("smollm2-135m", 30, 3, 64, 8192),  # the embedded default model
+        KVShape("llama-3-8b", 32, 32, 8, 128, 8192, 14336),
+        KVShape("llama-3-70b", 80, 64, 8, 128, 8192, 28672),
+        KVShape("llama-2-7b", 32, 32, 32, 128, 4096, 11008),
+        KVShape("mistral-7b", 32, 32, 8, 128, 32768, 14336),
+        KVShape("qwen2.5-7b", 28, 28, 4, 128, 32768, 18944),
+        KVShape("opt-13b", 40, 40, 40, 128, 2048, 20480),  # the vLLM paper's example: 800 KB per token
+        KVShape("smollm2-135m", 30, 9, 3, 64, 8192, 1536),  # the embedded default model
     ]
 }
 
@@ -46,9 +56,11 @@ def shape_from_hf_config(config: dict, name: str) -> KVShape:
     return KVShape(
         name=name,
         num_layers=config["num_hidden_layers"],
+        num_heads=heads,
         num_kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         max_context=config.get("max_position_embeddings", 2048),
+        intermediate_size=config.get("intermediate_size") or config.get("ffn_dim"),  # ffn_dim: OPT
     )
 
 
@@ -71,13 +83,32 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-def report(shape: KVShape, dtype: str, tokens: int | None) -> str:
+def report(shape: KVShape, dtype: str, tokens: int | None, tp_size: int = 1,
+           memory_bytes: int | None = None) -> str:
+    """`memory_bytes`: the KV pool on each device (default with tp_size > 1: what TP=1 needs for
+    `tokens`, so the pool line shows what splitting gains at the same memory)."""
+    check_split(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, tp_size)
     tokens = tokens or shape.max_context
     per_token = shape.bytes_per_token(dtype)
-    return "\n".join(
-        [
-            f"model: {shape.name} ({shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, {dtype})",
-            f"KV bytes per token: {per_token:,} ({human_bytes(per_token)})",
-            f"KV bytes for {tokens:,} tokens: {per_token * tokens:,} ({human_bytes(per_token * tokens)})",
-        ]
-    )
+    lines = [
+        f"model: {shape.name} ({shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, {dtype})",
+        f"KV bytes per token: {per_token:,} ({human_bytes(per_token)})",
+        f"KV bytes for {tokens:,} tokens: {per_token * tokens:,} ({human_bytes(per_token * tokens)})",
+    ]
+    if tp_size > 1:
+        kv_heads = kv_heads_per_rank(shape.num_kv_heads, tp_size)
+        rank_per_token = shape.bytes_per_token(dtype, tp_size)
+        line = f"tensor parallel {tp_size}: {kv_heads} KV head{'s' if kv_heads > 1 else ''} per rank"
+        if tp_size > shape.num_kv_heads:
+            line += (f", replicated: each of the {shape.num_kv_heads} KV heads is copied on "
+                     f"{tp_size // shape.num_kv_heads} ranks")
+        lines += [line, f"KV bytes per token per rank: {rank_per_token:,} ({human_bytes(rank_per_token)})"]
+        memory_bytes = memory_bytes or per_token * tokens
+    if memory_bytes:
+        held = memory_bytes // shape.bytes_per_token(dtype, tp_size)
+        line = f"KV pool of {memory_bytes:,} bytes ({human_bytes(memory_bytes)}) per device holds {held:,} tokens"
+        if tp_size > 1:
+            gain = shape.num_kv_heads / kv_heads_per_rank(shape.num_kv_heads, tp_size)
+            line += f" ({gain:g}x TP=1's {memory_bytes // per_token:,})"
+        lines.append(line)
+    return "\n".join(lines)

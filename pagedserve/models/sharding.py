@@ -13,30 +13,51 @@ Over N ranks, rank r holds:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.kv.sizes import cdiv
-from pagedserve.models.config import ModelConfig
+
+if TYPE_CHECKING:  # no torch at import: `pagedserve kv-calc` checks sizes with these rules too
+    from pagedserve.models.config import ModelConfig
+
+
+def split_error(num_heads: int, num_kv_heads: int, intermediate_size: int | None, n: int) -> str | None:
+    """Why `n` ranks cannot split a model of this shape, or None when they can."""
+    if n < 1:
+        return "it must be >= 1"
+    if num_heads % n:
+        return f"its {num_heads} attention heads are not a multiple of {n}"
+    if num_kv_heads % n and n % num_kv_heads:
+        return f"its {num_kv_heads} KV heads neither divide into {n} parts nor into {n} copies"
+    if intermediate_size is not None and intermediate_size % n:
+        return f"its MLP width {intermediate_size} is not a multiple of {n}"
+    return None
+
+
+def accepted_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int | None) -> list[int]:
+    """Every tensor-parallel size a model of this shape can be split into (up to its heads)."""
+    return [n for n in range(1, num_heads + 1) if split_error(num_heads, num_kv_heads, intermediate_size, n) is None]
+
+
+def check_split(num_heads: int, num_kv_heads: int, intermediate_size: int | None, n: int) -> None:
+    """ValueError naming the sizes this shape accepts, unless `n` is one of them."""
+    reason = split_error(num_heads, num_kv_heads, intermediate_size, n)
+    if reason is not None:
+        accepted = ", ".join(map(str, accepted_sizes(num_heads, num_kv_heads, intermediate_size)))
+        raise ValueError(f"tensor_parallel_size={n} does not split this model: {reason}; it accepts {accepted}")
 
 
 def accepted_tp_sizes(config: ModelConfig) -> list[int]:
-    """Every tensor-parallel size this model can be split into (up to its number of heads)."""
-    return [n for n in range(1, config.num_heads + 1) if _split_error(config, n) is None]
+    return accepted_sizes(config.num_heads, config.num_kv_heads, config.intermediate_size)
 
 
 def check_tp_size(config: ModelConfig, size: int) -> None:
-    """ValueError naming the sizes this model accepts, unless `size` is one of them."""
-    reason = _split_error(config, size)
-    if reason is not None:
-        accepted = ", ".join(map(str, accepted_tp_sizes(config)))
-        raise ValueError(f"tensor_parallel_size={size} does not split this model: {reason}; "
-                         f"it accepts {accepted}")
+    check_split(config.num_heads, config.num_kv_heads, config.intermediate_size, size)
 
 
-def _split_error(config: ModelConfig, n: int) -> str | None:
-    # The integer rule lives in kv_calc (no torch there), so `pagedserve kv-calc` accepts the same sizes.
-    from pagedserve.entrypoints.kv_calc import tp_split_error
-
-    return tp_split_error(config.num_heads, config.num_kv_heads, config.intermediate_size, n)
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank's pool holds: a share of them, or one (a copy) when ranks outnumber them."""
+    return max(1, num_kv_heads // tp_size)
 
 
 @dataclass(frozen=True)
@@ -57,7 +78,7 @@ class TPShard:
         check_tp_size(config, size)
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a tensor-parallel group of {size}")
-        kv_heads = max(1, config.num_kv_heads // size)
+        kv_heads = kv_heads_per_rank(config.num_kv_heads, size)
         replicas = max(1, size // config.num_kv_heads)  # ranks that share one KV head
         vocab_rows = cdiv(config.vocab_size, size)
         return cls(rank, size, config.num_heads // size, kv_heads, rank // replicas * kv_heads,
@@ -67,7 +88,3 @@ class TPShard:
         """Rows of this rank's vocabulary slice that hold real tokens (the last rank's may be short)."""
         return max(0, min(self.vocab_rows, vocab_size - self.vocab_start))
 
-
-def kv_heads_per_rank(config: ModelConfig, tp_size: int) -> int:
-    """KV heads each rank's pool holds at this tensor-parallel size."""
-    return TPShard.of(config, 0, tp_size).num_kv_heads

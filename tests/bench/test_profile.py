@@ -16,9 +16,17 @@ def test_a_decode_step_splits_into_parts(tiny):
     model, tokenizer = tiny
     profile = profile_decode(model, tokenizer, batch=3, steps=4, prompt_len=(4, 40), vocab=range(3, 120))
     assert profile.batch == 3 and profile.mean_context > 1
-    assert set(profile.parts_s) == set(PARTS) and all(v >= 0 for v in profile.parts_s.values())
+    assert set(profile.parts_s) == {*PARTS, "collectives"} and all(v >= 0 for v in profile.parts_s.values())
     # Medians of parts need not add up exactly, but the model's share cannot exceed the step.
     assert profile.parts_s["forward"] + profile.parts_s["logits"] <= profile.step_s
+    assert profile.parts_s["broadcast"] == profile.parts_s["collectives"] == 0.0  # one process
+
+
+def test_tensor_parallel_steps_show_the_broadcast_and_the_collectives(tiny_checkpoint, embedded_tokenizer):
+    profile = profile_decode(None, embedded_tokenizer, batch=3, steps=4, tensor_parallel_size=2,
+                             model_path=str(tiny_checkpoint("llama")[0]), prompt_len=(4, 40), vocab=range(3, 120))
+    assert 0 < profile.parts_s["broadcast"] < profile.step_s
+    assert 0 < profile.parts_s["collectives"] < profile.parts_s["forward"] + profile.parts_s["logits"]
 
 
 def test_matmul_parameters_of_the_embedded_model(embedded_model):

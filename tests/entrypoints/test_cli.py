@@ -127,6 +127,12 @@ def test_generate_prints_every_answer_and_reports_a_prompt_the_engine_failed_on(
         def __init__(self, **kwargs):
             pass
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
         def generate(self, prompts, params, use_tqdm):
             return [output(prompts[0], " Paris."), output(prompts[1], "", error="RuntimeError('boom')")]
 

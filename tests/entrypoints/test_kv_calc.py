@@ -31,3 +31,48 @@ def test_reads_a_config_json_or_a_model_directory(tmp_path):
 def test_unknown_model_is_a_clear_error(capsys):
     with pytest.raises(SystemExit, match="llama-3-8b"):
         main(["kv-calc", "--model", "no-such-model"])
+
+
+def _tokens_held(out: str) -> int:
+    line = next(line for line in out.splitlines() if line.startswith("KV pool of"))
+    return int(line.split(" holds ")[1].split()[0].replace(",", ""))
+
+
+def _kv_calc(capsys, *args: str) -> str:
+    main(["kv-calc", *args])
+    return capsys.readouterr().out
+
+
+def test_tensor_parallel_size_1_leaves_the_report_unchanged(capsys):
+    plain = _kv_calc(capsys, "--model", "smollm2-135m")
+    assert _kv_calc(capsys, "--model", "smollm2-135m", "--tensor-parallel-size", "1") == plain
+    assert "tensor parallel" not in plain and "KV pool" not in plain
+
+
+def test_embedded_model_at_tp_3_holds_3x_the_tokens_per_device(capsys):
+    memory = ["--model", "smollm2-135m", "--kv-cache-memory-bytes", str(1 << 30)]
+    tp1 = _tokens_held(_kv_calc(capsys, *memory))
+    out = _kv_calc(capsys, *memory, "--tensor-parallel-size", "3")
+    assert "1 KV head per rank" in out and "replicated" not in out
+    assert "KV bytes per token per rank: 7,680" in out  # 2 x 30 layers x 1 KV head x 64 x 2 bytes
+    # 1 GiB is not a multiple of a token's bytes: both counts round down
+    assert _tokens_held(out) // 3 == tp1 == (1 << 30) // 23040
+    # without --kv-cache-memory-bytes: the memory TP=1 needs for the model's context
+    default = _kv_calc(capsys, "--model", "smollm2-135m", "--tensor-parallel-size", "3")
+    assert "holds 24,576 tokens (3x TP=1's 8,192)" in default
+
+
+def test_kv_heads_replicated_past_their_count_hold_only_kv_heads_x(capsys, tmp_path):
+    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+              "intermediate_size": 1024, "max_position_embeddings": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    memory = ["--model", str(tmp_path), "--kv-cache-memory-bytes", str(64 * 2 * 4 * 2 * 2 * 1000)]
+    tp1 = _tokens_held(_kv_calc(capsys, *memory))
+    out = _kv_calc(capsys, *memory, "--tensor-parallel-size", "4")
+    assert "1 KV head per rank, replicated" in out
+    assert (tp1, _tokens_held(out)) == (1000, 2000)  # 4 ranks, but only 2 KV heads to split
+
+
+def test_tp_size_that_does_not_split_the_model_names_the_accepted_sizes():
+    with pytest.raises(SystemExit, match="tensor_parallel_size=2 .*it accepts 1, 3$"):
+        main(["kv-calc", "--model", "smollm2-135m", "--tensor-parallel-size", "2"])
