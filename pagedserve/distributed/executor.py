@@ -19,6 +19,7 @@ import os
 import socket
 import time
 import weakref
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -64,9 +65,10 @@ class TensorParallelExecutor:
         else:
             self.init_method = init_method = f"tcp://127.0.0.1:{free_port()}"
             torch.set_num_threads(max(1, self._threads_before // size))  # the same cores, shared by N ranks
-            self._spawn(config, init_method)
         self._finalizer = weakref.finalize(self, _stop, self._processes, self._parent_ends, self._threads_before)
         try:
+            if config.distributed_executor_backend != "external":
+                self._spawn(config, init_method)
             self.tp, self.control = join_group(0, size, init_method, config.distributed_timeout, config.device)
             dist.broadcast_object_list([config], src=0, group=self.control)
             error = None
@@ -86,18 +88,33 @@ class TensorParallelExecutor:
         self.model_config = self.runner.model_config
 
     def _spawn(self, config: EngineConfig, init_method: str) -> None:
+        """Start the workers and wait until each is about to join the group: one that dies while
+        starting is an error now, not a rendezvous waiting out its timeout."""
         ctx = mp.get_context("spawn")  # a clean interpreter: no forked threads or CUDA state
         threads = torch.get_num_threads()
+        starting = []
         for rank in range(1, self.size):
             child_end, parent_end = ctx.Pipe(duplex=False)
+            ready_end, ready_child_end = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=run_spawned, name=f"pagedserve-tp{rank}", daemon=True,
                 args=(rank, self.size, init_method, config.distributed_timeout, threads, config.device, child_end,
-                      logging.getLogger().getEffectiveLevel()))
+                      ready_child_end, logging.getLogger().getEffectiveLevel()))
             process.start()
             child_end.close()
+            ready_child_end.close()
             self._processes.append(process)
             self._parent_ends.append(parent_end)  # held open: its closing tells the worker we are gone
+            starting.append((rank, process, ready_end))
+        deadline = time.monotonic() + config.distributed_timeout
+        for rank, process, ready_end in starting:
+            with ready_end:
+                wait([ready_end, process.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+                if not _said_ready(ready_end):
+                    process.join(5)  # its pipe closes a moment before it can be reaped
+                    state = (f"exited with code {process.exitcode} while starting" if not process.is_alive()
+                             else f"was not ready within {config.distributed_timeout:.0f} s")
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) {state}")
 
     @property
     def worker_pids(self) -> list[int]:
@@ -195,6 +212,14 @@ class _Collectives:
         if dead or isinstance(error, dist.DistError) or any(
                 s in str(error) for s in ("gloo", "NCCL", "Connection closed", "Timed out")):
             raise self.executor._fail(dead or repr(error)) from error
+        return False
+
+
+def _said_ready(ready_end) -> bool:
+    """Whether a worker's ready message arrived (a pipe closed by its death polls readable too)."""
+    try:
+        return ready_end.poll() and ready_end.recv()
+    except (EOFError, OSError):
         return False
 
 

@@ -108,12 +108,15 @@ def _loop(runner, control) -> None:
 
 
 def run_spawned(rank: int, size: int, init_method: str, timeout_s: float, threads: int, device: str,
-                parent_alive: Connection, log_level: int) -> None:
-    """Entry point of a worker process that the engine spawned on this machine."""
+                parent_alive: Connection, ready: Connection, log_level: int) -> None:
+    """Entry point of a worker process that the engine spawned on this machine. It says `ready`
+    once started, just before it joins the group."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which shuts us down
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s pagedserve.rank{rank}: %(message)s")
     exit_with_parent(parent_alive)
     torch.set_num_threads(threads)
+    ready.send(True)
+    ready.close()
     try:
         serve(rank, size, init_method, timeout_s, local_rank=rank, device=device)
     except Exception as e:

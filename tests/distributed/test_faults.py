@@ -75,6 +75,21 @@ def test_a_frozen_worker_times_the_collective_out(tiny_checkpoint, embedded_toke
     assert not alive(worker) and children() == []
 
 
+def test_a_worker_that_dies_while_starting_is_an_error_at_once(tiny_checkpoint, embedded_tokenizer, tmp_path,
+                                                              monkeypatch):
+    """Not a rendezvous waiting out its timeout: the engine sees the worker's exit and says so."""
+    # Python runs sitecustomize at start-up; a spawned worker's command line ends in --multiprocessing-fork.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\nif '--multiprocessing-fork' in sys.argv:\n    os._exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    path, _ = tiny_checkpoint("llama")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code 3 while starting"):
+        make_llm(path, embedded_tokenizer)
+    assert time.monotonic() - start < 30
+    assert children() == []
+
+
 def test_ten_clean_shutdowns_leave_no_process_and_no_port(tiny_checkpoint, embedded_tokenizer):
     path, _ = tiny_checkpoint("llama")
     for _ in range(10):
