@@ -22,9 +22,9 @@ import msgspec
 import zmq
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.executor import HEALTH_CHECK_INTERVAL, ExecutorFailed
 from pagedserve.engine.core_messages import (AbortRequests, CoreCommand, CoreFailed, CoreReady, EngineCoreOutputs,
                                              EngineCoreRequest, SampleOutput, Shutdown, StopSamples)
+from pagedserve.engine.executor import HEALTH_CHECK_INTERVAL, ExecutorFailed
 
 logger = logging.getLogger(__name__)
 

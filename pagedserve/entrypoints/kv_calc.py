@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from pagedserve.kv.sizes import kv_bytes_per_token
-from pagedserve.models.sharding import check_split, kv_heads_per_rank
+from pagedserve.models.sharding import check_split, kv_heads_per_rank  # the engine's own size rule (no torch)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
@@ -35,8 +35,6 @@ class KVShape:
         return kv_bytes_per_token(self.num_layers, kv_heads, self.head_dim, DTYPE_BYTES[dtype])
 
 
-# Pure integers, no torch: kv-calc must stay light, and pagedserve.models.sharding (which imports
-# torch via ModelConfig) calls this too, so both accept the same sizes.
 PRESETS = {
     s.name: s
     for s in [

@@ -26,8 +26,9 @@ from pagedserve.models.sharding import TPShard
 
 class Target(NamedTuple):
     """Where a checkpoint tensor goes: rows [start, start + rows) of `param` take the checkpoint
-    tensor's slice from `source_start` along `source_dim`, as long there as those rows are; the
-    whole tensor is `source_len` long along that dimension (and like the rows along the others)."""
+    tensor's slice that starts at `source_start` along `source_dim` (as long as the rows are along
+    that dimension). The whole checkpoint tensor is `source_len` long there and shaped like the
+    rows elsewhere."""
 
     param: nn.Parameter
     start: int
@@ -171,7 +172,7 @@ class DecoderForCausalLM(nn.Module):
             if module in fused:
                 start = 0
                 for part, rows, source_start in fused[module]:
-                    whole = rows * s.size if part != "k_proj" and part != "v_proj" else c.num_kv_heads * c.head_dim
+                    whole = c.num_kv_heads * c.head_dim if part in ("k_proj", "v_proj") else rows * s.size
                     targets[f"{parent}.{part}.{leaf}"] = Target(param, start, rows, 0, source_start, whole)
                     start += rows
             elif module in row_parallel and leaf == "weight":
