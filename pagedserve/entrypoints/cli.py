@@ -153,11 +153,31 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print("\n" + format_report(llm.get_metrics()))
 
 
+RAY_INSTALL = "pip install 'pagedserve[ray]'"
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from pagedserve.config import EngineConfig
-    from pagedserve.entrypoints.openai.api_server import run_server
+    from pagedserve.entrypoints.openai.api_server import EMBEDDED_MODEL_NAME, run_server
 
-    run_server(EngineConfig(**engine_kwargs(args)), **server_kwargs(args))
+    if not args.ray:
+        run_server(EngineConfig(**engine_kwargs(args)), **server_kwargs(args))
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        sys.exit(f"error: --ray needs Ray Serve, which is not installed: {RAY_INSTALL}")
+    from pagedserve.entrypoints.openai.ray_app import parse_autoscale, run_ray_server
+
+    autoscale = parse_autoscale(args.autoscale) if args.autoscale else None
+    config = EngineConfig(**engine_kwargs(args))
+    options = server_kwargs(args)
+    run_ray_server(config, args.served_model_name or config.model or EMBEDDED_MODEL_NAME, host=args.host,
+                   port=args.port, ray_address=args.ray_address, api_key=args.api_key,
+                   num_replicas=args.num_replicas, autoscale=autoscale, prefix_aware=args.router == "prefix-aware",
+                   router_kwargs={"imbalance_threshold": args.router_imbalance_threshold},
+                   max_body_bytes=options["max_body_bytes"], default_max_tokens=options["default_max_tokens"],
+                   enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
@@ -432,6 +452,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
                        help="vLLM's flag: the format of the model's tool calls, and the one tools are described in "
                        "when the chat template does not render them (default: hermes)")
+    ray = serve.add_argument_group("replicas on Ray Serve (pip install 'pagedserve[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve N engine replicas on Ray Serve behind one OpenAI ingress (a local Ray instance, or "
+                     "--ray-address's cluster)")
+    ray.add_argument("--num-replicas", type=positive(int), default=1, help="engine replicas (default: 1)")
+    ray.add_argument("--autoscale", default=None, metavar="MIN..MAX",
+                     help="let Ray Serve scale the replicas between MIN and MAX with the load")
+    ray.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto, or HOST:6379)")
+    ray.add_argument("--router", choices=("prefix-aware", "default"), default="prefix-aware",
+                     help="which replica takes a request: the one most likely to hold its prefix (default), or "
+                     "Ray Serve's default (power of two choices)")
+    ray.add_argument("--router-imbalance-threshold", type=int, default=8,
+                     help="prefix-aware: how many more queued requests the preferred replica may have than the least "
+                     "loaded before the request goes to the least loaded (default: 8)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -53,7 +53,7 @@ class KVCacheStats:
 
     @property
     def usage(self) -> float:
-        return self.used_blocks / self.total_blocks
+        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
 
     @property
     def waste(self) -> float:

@@ -76,15 +76,15 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, *,
               max_body_bytes: int | None = None, body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
               default_max_tokens: int | None = None, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, extra_collectors: tuple = ()) -> FastAPI:
     """An app serving a started engine. The caller owns the engine (start and shutdown).
 
     max_body_bytes: the largest request body (default: what the longest prompt that can fit the
     context needs, limits.default_max_body_bytes); body_timeout: seconds a request's body may take
     to arrive; default_max_tokens: max_tokens for a request that sets none (vLLM's max_new_tokens
     generation setting; default: up to the context limit for chat, 16 for completions);
-    enable_auto_tool_choice and tool_call_parser: vLLM's tool-calling settings (serving_chat). The
-    app's drain (app.state.drain) is driven by http_server.GracefulServer."""
+    enable_auto_tool_choice and tool_call_parser: vLLM's tool-calling settings (serving_chat);
+    extra_collectors: more prometheus collectors for /metrics. The app's drain (app.state.drain) is driven by http_server.GracefulServer."""
     bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(bound and bound.max_chars)
@@ -98,7 +98,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     app = _App(title="pagedserve", version=__version__, lifespan=lifespan)
     app.state.drain = drain
-    metrics = ServerMetrics(engine, served_model_name)
+    metrics = ServerMetrics(engine, served_model_name, extra_collectors)
     shared = dict(executor=executor, prompt_bound=bound, default_max_tokens=default_max_tokens, drain=drain)
     completions = OpenAIServingCompletion(engine, served_model_name, **shared)
     chat = OpenAIServingChat(engine, served_model_name, **shared, enable_auto_tool_choice=enable_auto_tool_choice,

@@ -60,9 +60,11 @@ class EngineCollector(Collector):
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, extra_collectors: tuple = ()) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
+        for collector in extra_collectors:  # e.g. the Ray ingress's router and per-replica figures
+            self.registry.register(collector)
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=LATENCY_BUCKETS,

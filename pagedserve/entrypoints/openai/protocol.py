@@ -532,10 +532,15 @@ class DetokenizeRequest(RequestModel):
 # ---- responses -------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelCard(ResponseModel):

@@ -14,7 +14,8 @@ from pagedserve.engine.structured_output import check_grammar
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage, DeltaFunctionCall,
-    DeltaMessage, DeltaToolCall, FunctionCall, NamedToolChoice, ToolCall, TopLogprob, UsageInfo,
+    DeltaMessage, DeltaToolCall, FunctionCall, NamedToolChoice, PromptTokensDetails, ToolCall, TopLogprob,
+    UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
     SSE_DONE, APIError, OpenAIServing, Prompt, StreamState, bad_request, random_id, sse,
@@ -221,4 +222,5 @@ def _deltas(events: list[Event], ids: list[str]) -> list[DeltaMessage]:
 def _usage(output: RequestOutput) -> UsageInfo:
     prompt = len(output.prompt_token_ids)
     completion = sum(len(o.token_ids) for o in output.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens))

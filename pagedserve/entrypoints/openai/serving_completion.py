@@ -19,7 +19,8 @@ from starlette.responses import Response
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.entrypoints.openai.protocol import (
-    CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse, PromptLogprob, UsageInfo,
+    CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse, PromptLogprob, PromptTokensDetails,
+    UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
     SSE_DONE, APIError, OpenAIServing, Prompt, StreamState, bad_request, random_id, sse,
@@ -231,4 +232,6 @@ def _prompt_logprobs(output: RequestOutput, num_top: int | None) -> list[dict[in
 def _usage(outputs) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))

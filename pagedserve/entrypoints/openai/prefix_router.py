@@ -1,0 +1,113 @@
+"""A prefix-cache-aware Ray Serve request router for engine replicas.
+
+A replica's prefix cache is keyed by chained block hashes (`kv.hash_block`), so the router can
+hash a request's first blocks the same way and remember which replica it sent each hash to: the
+replica that got a prefix before most likely still holds its blocks. A request goes to the
+candidate that was sent its longest prefix, unless that replica's queue is longer than the
+shortest by more than `imbalance_threshold` requests: then to the least loaded. A prefix no
+replica was sent goes to the replica that holds the fewest remembered blocks (then the least
+loaded), so that distinct prefixes spread over the caches rather than pile onto one.
+
+The router lives in the process that holds the deployment handle (the OpenAI ingress); its
+decisions are counted in `router_stats`, which the ingress's /metrics reports.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, OrderedDict
+from typing import Any
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from pagedserve.kv import hash_block
+
+
+class PrefixAwareRouter(RequestRouter):
+    def initialize_state(self, block_size: int = 16, max_blocks: int = 64, imbalance_threshold: int = 8,
+                         max_entries: int = 200_000, **kwargs: Any) -> None:
+        """block_size: the replicas' KV block size; max_blocks: how many leading blocks are hashed;
+        imbalance_threshold: how many more queued requests the preferred replica may have than the
+        least loaded one; max_entries: hashes remembered (least recently routed forgotten first)."""
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.imbalance_threshold, self.max_entries = imbalance_threshold, max_entries
+        self.owner: OrderedDict[bytes, ReplicaID] = OrderedDict()  # block hash -> replica last sent it
+        self.owned: Counter[ReplicaID] = Counter()  # blocks of `owner` per replica
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        from pagedserve.entrypoints.openai import (
+            router_stats,  # at call time: see router_stats
+        )
+
+        for r in candidate_replicas:
+            if r.routing_stats:
+                router_stats.REPLICA_STATS[r.replica_id.unique_id] = r.routing_stats
+        by_load = sorted(candidate_replicas, key=lambda r: (self._load(r), random.random()))
+        if pending_request is None or not by_load:
+            return [by_load]
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        hashes = self._hashes(pending_request)
+        preferred = None
+        for h in hashes:  # chained: a deeper match is a longer shared prefix
+            owner = self.owner.get(h)
+            if owner is None:
+                break
+            if owner in by_id:
+                preferred = by_id[owner]
+        if preferred is None:  # a new prefix: to the replica whose cache holds the fewest prefix blocks
+            router_stats.DECISIONS["no_match"] += 1
+            ranked = sorted(by_load, key=lambda r: self.owned[r.replica_id])
+            # Claim it now, not when routed: requests being routed at the same time then see it.
+            self._remember(hashes, ranked[0].replica_id)
+            return [ranked[:1], ranked[1:]]  # Ray picks freely within a rank: the choice ranks alone
+        if self._load(preferred) - self._load(by_load[0]) > self.imbalance_threshold:
+            router_stats.DECISIONS["fallback"] += 1
+            return [by_load]
+        router_stats.DECISIONS["affinity"] += 1
+        return [[preferred], [r for r in by_load if r is not preferred]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        from pagedserve.entrypoints.openai import router_stats
+
+        router_stats.ROUTED[replica_id.unique_id] += 1
+        self._remember(self._hashes(pending_request), replica_id)
+
+    def _remember(self, hashes: list[bytes], replica_id: ReplicaID) -> None:
+        for h in hashes:
+            previous = self.owner.get(h)
+            if previous is not None:
+                self.owned[previous] -= 1
+            self.owner[h] = replica_id
+            self.owner.move_to_end(h)
+            self.owned[replica_id] += 1
+        while len(self.owner) > self.max_entries:
+            self.owned[self.owner.popitem(last=False)[1]] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        from pagedserve.entrypoints.openai import router_stats
+
+        super().on_replica_actor_died(replica_id)
+        router_stats.REPLICA_STATS.pop(replica_id.unique_id, None)
+        for h in [h for h, owner in self.owner.items() if owner == replica_id]:
+            del self.owner[h]  # its cache died with it
+        self.owned.pop(replica_id, None)
+
+    def _load(self, replica: RunningReplica) -> int:
+        return self.replica_queue_len_cache.get(replica.replica_id) or 0
+
+    def _hashes(self, pending_request: PendingRequest) -> list[bytes]:
+        """The chained hashes of the prompt's first full blocks, as the replicas' KV managers make them."""
+        args = pending_request.args
+        tokens = args[0] if args else pending_request.kwargs.get("prompt_token_ids", [])
+        bs, hashes = self.block_size, []
+        for i in range(min(len(tokens) // bs, self.max_blocks)):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes

@@ -1,0 +1,229 @@
+"""`pagedserve serve --ray`: engine replicas on Ray Serve behind one OpenAI ingress.
+
+Each `EngineReplica` is a Ray Serve replica (an actor) holding a whole engine with its own KV pool
+(an `AsyncLLMEngine`: the core on a thread of the actor). The ingress is the same FastAPI app as
+`pagedserve serve` (`build_app`), run by Ray Serve's HTTP proxy, over a `ReplicaPool`: an object
+with the engine interface the app uses, whose `generate` streams from a replica through a
+DeploymentHandle. Which replica takes a request is the handle's request router's choice: Ray
+Serve's default (power of two choices), or pagedserve's prefix-cache-aware one
+(`prefix_router.PrefixAwareRouter`). Ray does placement, health checks, restarts and autoscaling.
+
+The ingress tokenizes (as the single-process server does), so a replica receives token ids and
+the router can hash the prompt's first blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from ray import serve
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineError,
+    EngineStatsSnapshot,
+)
+from pagedserve.entrypoints.openai.router_stats import DECISIONS, REPLICA_STATS, ROUTED
+from pagedserve.kv import KVCacheStats
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "pagedserve"
+PREFIX_ROUTER = "pagedserve.entrypoints.openai.prefix_router:PrefixAwareRouter"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})  # the engine's threads share the node's cores
+class EngineReplica:
+    """One engine, serving token-id requests streamed back as RequestOutputs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedserve.engine.llm_engine import LLMEngine
+
+        self.engine = AsyncLLMEngine(LLMEngine(config))
+        self.engine.start()
+
+    def info(self) -> dict[str, int]:
+        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
+                "max_num_seqs": self.engine.max_num_seqs}
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        async for output in self.engine.generate(prompt_token_ids, params, request_id, prompt_text=prompt_text):
+            yield output
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the router reads of this replica (Ray Serve polls it): its load and its KV pool."""
+        s = self.engine.stats
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_preemptions": s.num_preemptions,
+                **dataclasses.asdict(s.kv)}
+
+    def check_health(self) -> None:
+        if not self.engine.is_running:
+            raise RuntimeError("the engine is not running")
+
+    def __del__(self) -> None:
+        self.engine.shutdown()
+
+
+class ReplicaPool:
+    """The engine interface the OpenAI app uses (`build_app`), over the replicas' handle."""
+
+    def __init__(self, handle: Any, tokenizer: Any, info: dict[str, int]) -> None:
+        self.handle, self.tokenizer = handle.options(stream=True), tokenizer
+        self.max_model_len, self.vocab_size, self.max_num_seqs = (
+            info["max_model_len"], info["vocab_size"], info["max_num_seqs"])
+        self._hooks: tuple[Callable[[RequestOutput], None], ...] = ()
+        self._running = 0
+        self._tokens = Counter()
+        self._finished: Counter[str] = Counter()
+
+    @property
+    def is_running(self) -> bool:
+        return True  # Ray Serve restarts a replica that fails its health check
+
+    @property
+    def stats(self) -> EngineStatsSnapshot:
+        """Token and finish counts of what went through this ingress; load and KV figures summed
+        over the replicas' latest routing stats (refreshed each second)."""
+        replicas = list(REPLICA_STATS.values())
+        kv = KVCacheStats(**{f.name: sum(r.get(f.name, 0) for r in replicas) for f in dataclasses.fields(KVCacheStats)})
+        return EngineStatsSnapshot(
+            sum(r["num_running"] for r in replicas) if replicas else self._running,
+            sum(r["num_waiting"] for r in replicas), kv, sum(r["num_preemptions"] for r in replicas),
+            self._tokens["prompt"], self._tokens["generation"], dict(self._finished))
+
+    def add_finish_hook(self, hook: Callable[[RequestOutput], None]) -> None:
+        self._hooks = (*self._hooks, hook)
+
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request from the replica the router picks. A refused request raises
+        ValueError, a replica's fault EngineError, as the in-process engine does."""
+        self._running += 1
+        output = None
+        try:
+            stream = self.handle.generate.remote(list(prompt), params, request_id, prompt_text)
+            try:
+                async for output in stream:
+                    yield output
+            except (ValueError, EngineError):  # Ray re-raises the replica's error as a subclass of its type
+                raise
+            except Exception as e:  # the replica's actor died, or Ray could not reach it
+                raise EngineError(f"the replica serving this request failed: {e}") from e
+        finally:
+            self._running -= 1
+            if output is not None and output.finished:
+                self._tokens["prompt"] += len(output.prompt_token_ids)
+                self._tokens["generation"] += sum(len(o.token_ids) for o in output.outputs)
+                for o in output.outputs:
+                    self._finished[o.finish_reason or "abort"] += 1
+                for hook in self._hooks:
+                    hook(output)
+
+
+class RouterCollector:
+    """/metrics of the ingress: the router's decisions, requests per replica, and each replica's
+    load and KV figures, labelled by replica."""
+
+    def collect(self):
+        decisions = CounterMetricFamily("pagedserve:router_decisions", "Prefix-aware routing decisions: affinity "
+                                        "(sent to the replica holding the prefix), fallback (it was too loaded), "
+                                        "no_match.", labels=["decision"])
+        for decision in ("affinity", "fallback", "no_match"):
+            decisions.add_metric([decision], DECISIONS[decision])
+        yield decisions
+        routed = CounterMetricFamily("pagedserve:router_requests", "Requests routed to each replica.", labels=["replica"])
+        for replica, n in ROUTED.items():
+            routed.add_metric([replica], n)
+        yield routed
+        for name, doc, key in (("num_requests_running", "Requests running on the replica.", "num_running"),
+                               ("num_requests_waiting", "Requests queued on the replica.", "num_waiting")):
+            family = GaugeMetricFamily(f"pagedserve:replica_{name}", doc, labels=["replica"])
+            for replica, stats in REPLICA_STATS.items():
+                family.add_metric([replica], stats[key])
+            yield family
+        usage = GaugeMetricFamily("pagedserve:replica_kv_cache_usage_perc", "The replica's KV blocks in use.",
+                                  labels=["replica"])
+        hits = GaugeMetricFamily("pagedserve:replica_prefix_cache_hit_rate", "The replica's prefix-cache hits "
+                                 "over prompt tokens looked up.", labels=["replica"])
+        for replica, s in REPLICA_STATS.items():
+            usage.add_metric([replica], s["used_blocks"] / s["total_blocks"] if s["total_blocks"] else 0.0)
+            hits.add_metric([replica], s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0)
+        yield usage
+        yield hits
+
+
+def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | None = None, *,
+                  num_replicas: int | str = 1, autoscale: tuple[int, int] | None = None,
+                  prefix_aware: bool = True, router_kwargs: dict | None = None, **app_options) -> Any:
+    """The Serve application: `num_replicas` engine replicas (or autoscaled between the bounds of
+    `autoscale`) behind the OpenAI ingress."""
+    from ray.serve.config import RequestRouterConfig
+
+    replica_options: dict[str, Any] = {}
+    if autoscale is not None:
+        replica_options["autoscaling_config"] = {"min_replicas": autoscale[0], "max_replicas": autoscale[1],
+                                                 "target_ongoing_requests": config.max_num_seqs // 2 or 1}
+    else:
+        replica_options["num_replicas"] = num_replicas
+    if prefix_aware:
+        replica_options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PREFIX_ROUTER,
+            request_router_kwargs={"block_size": config.block_size, **(router_kwargs or {})},
+            request_routing_stats_period_s=1.0)
+    replicas = EngineReplica.options(max_ongoing_requests=config.max_num_seqs * 2, **replica_options).bind(config)
+
+    def build_ingress_app():
+        from pagedserve.entrypoints.openai.api_server import build_app
+        from pagedserve.models.loader import load_tokenizer
+
+        handle = serve.get_deployment_handle("EngineReplica", app_name=APP_NAME)
+        # The builder runs on the ingress's event loop, where a handle may not block: ask from a thread.
+        with ThreadPoolExecutor(1) as pool:
+            info = pool.submit(lambda: handle.info.remote().result()).result()
+        pool = ReplicaPool(handle, load_tokenizer(config.model), info)
+        return build_app(pool, served_model_name, api_key, extra_collectors=(RouterCollector(),), **app_options)
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    @serve.ingress(build_ingress_app)
+    class OpenAIIngress:
+        def __init__(self, replicas: Any) -> None:
+            self.replicas = replicas  # bound so that Serve deploys them with the ingress
+
+    return OpenAIIngress.bind(replicas)
+
+
+def run_ray_server(config: EngineConfig, served_model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
+                   ray_address: str | None = None, **options) -> None:
+    """Start a local Ray instance (or join `ray_address`'s cluster), deploy the app, serve until
+    interrupted; then take the app down, and with a local instance, all of Ray."""
+    import ray
+
+    ray.init(address=ray_address, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_ray_app(config, served_model_name, **options), name=APP_NAME, route_prefix="/",
+                  blocking=True)
+    finally:
+        if ray_address is None:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+        ray.shutdown()
+
+
+def parse_autoscale(text: str) -> tuple[int, int]:
+    """"MIN..MAX" -> (MIN, MAX)."""
+    low, sep, high = text.partition("..")
+    if not sep or not low.isdigit() or not high.isdigit() or not 0 < int(low) <= int(high):
+        raise ValueError(f"--autoscale takes MIN..MAX with 0 < MIN <= MAX, got {text!r}")
+    return int(low), int(high)
