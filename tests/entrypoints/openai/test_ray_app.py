@@ -157,3 +157,35 @@ def test_serve_ray_without_ray_installed_prints_the_pip_command():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "pip install 'pagedserve[ray]'" in result.stderr
+
+
+def test_a_killed_replica_fails_its_requests_the_others_finish_and_serve_brings_it_back(ray_serve, checkpoint):
+    serve.delete(APP_NAME)
+    url = deploy(ray_serve, checkpoint, num_replicas=2, engine={"num_kv_blocks": 256, "max_model_len": 1024})
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    wait_until_routable(url, client, 2, prefix_aware=True)
+    replicas = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == "serve" and "EngineReplica" in a["name"]]
+    assert len(replicas) == 2
+
+    def long_request(i: int) -> str:
+        try:
+            stream = client.completions.create(model=MODEL, prompt=[5 + i, 6, 7, 8], max_tokens=300,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+            return f"done {sum(1 for _ in stream)} chunks"
+        except Exception as e:  # noqa: BLE001 (what the client sees is the point)
+            return f"error {e}"
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(long_request, i) for i in range(6)]
+        time.sleep(1.5)  # every request is running
+        ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=False)
+        results = [f.result(timeout=120) for f in futures]
+    failed = [r for r in results if r.startswith("error")]
+    assert failed and len(failed) < len(results)  # the killed replica's requests, and only those, failed
+    assert all("the replica serving this request failed: The actor died" in r for r in failed), failed
+    deadline = time.monotonic() + 90
+    while serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states.get("RUNNING", 0) < 2:
+        assert time.monotonic() < deadline, "Serve did not bring the replica back"
+        time.sleep(0.5)
+    assert client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2).choices[0].finish_reason
