@@ -42,9 +42,7 @@ class PrefixAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        from pagedserve.entrypoints.openai import (
-            router_stats,  # at call time: see router_stats
-        )
+        from pagedserve.entrypoints.openai import router_stats  # at call time: see router_stats
 
         for r in candidate_replicas:
             if r.routing_stats:

@@ -95,7 +95,8 @@ class ReplicaPool:
         """Token and finish counts of what went through this ingress; load and KV figures summed
         over the replicas' latest routing stats (refreshed each second)."""
         replicas = list(REPLICA_STATS.values())
-        kv = KVCacheStats(**{f.name: sum(r.get(f.name, 0) for r in replicas) for f in dataclasses.fields(KVCacheStats)})
+        kv = KVCacheStats(**{f.name: sum(r.get(f.name, 0) for r in replicas)
+                             for f in dataclasses.fields(KVCacheStats)})
         return EngineStatsSnapshot(
             sum(r["num_running"] for r in replicas) if replicas else self._running,
             sum(r["num_waiting"] for r in replicas), kv, sum(r["num_preemptions"] for r in replicas),
