@@ -95,12 +95,16 @@ def test_the_openai_client_works_through_the_ingress(ray_serve, checkpoint):
     assert sum(v for k, v in metrics.items() if k.startswith("pagedserve:router_requests_total")) >= 3
 
 
+def running_replicas() -> int:
+    return serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
+
+
 def wait_until_routable(url: str, client: openai.OpenAI, replicas: int, prefix_aware: bool,
                         timeout: float = 60.0) -> None:
     """Until `replicas` replicas run and the ingress's handle routes to them (a deployment is ready
     before every handle has heard of all its replicas), so that neither router starts on one."""
     deadline = time.monotonic() + timeout
-    while serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states.get("RUNNING", 0) < replicas:
+    while running_replicas() < replicas:
         assert time.monotonic() < deadline, "the replicas did not start"
         time.sleep(0.2)
     time.sleep(2.0)  # the handle hears of new replicas by long poll
@@ -185,7 +189,16 @@ def test_a_killed_replica_fails_its_requests_the_others_finish_and_serve_brings_
     assert failed and len(failed) < len(results)  # the killed replica's requests, and only those, failed
     assert all("the replica serving this request failed: The actor died" in r for r in failed), failed
     deadline = time.monotonic() + 90
-    while serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states.get("RUNNING", 0) < 2:
+    while running_replicas() < 2:
         assert time.monotonic() < deadline, "Serve did not bring the replica back"
         time.sleep(0.5)
     assert client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2).choices[0].finish_reason
+
+
+def test_autoscale_bounds_are_read_as_min_dot_dot_max():
+    from pagedserve.entrypoints.openai.ray_app import parse_autoscale
+
+    assert parse_autoscale("1..4") == (1, 4)
+    for bad in ("4..1", "0..2", "2", "a..b"):
+        with pytest.raises(ValueError, match="MIN..MAX"):
+            parse_autoscale(bad)
