@@ -360,9 +360,10 @@ def test_sigterm_drains_a_serving_process():
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
-        while True:  # all five in the engine's batch
+        while True:  # all five in the engine's batch, and the short streams under way at the client
             metrics = httpx.get(f"{url}/metrics").text
-            if re.search(r'^vllm:num_requests_running\{[^}]*\} 5\.0$', metrics, re.M):
+            if (re.search(r'^vllm:num_requests_running\{[^}]*\} 5\.0$', metrics, re.M)
+                    and {"short stream", "short chat"} <= first_chunk.keys()):
                 break
             assert time.monotonic() < deadline, metrics
             time.sleep(0.02)
