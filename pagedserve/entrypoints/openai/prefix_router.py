@@ -18,13 +18,7 @@ import random
 from collections import Counter, OrderedDict
 from typing import Any
 
-from ray.serve.request_router import (
-    PendingRequest,
-    ReplicaID,
-    ReplicaResult,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from pagedserve.kv import hash_block
 

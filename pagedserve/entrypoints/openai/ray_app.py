@@ -25,11 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineError,
-    EngineStatsSnapshot,
-)
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError, EngineStatsSnapshot
 from pagedserve.entrypoints.openai.router_stats import DECISIONS, REPLICA_STATS, ROUTED
 from pagedserve.kv import KVCacheStats
 from pagedserve.outputs import RequestOutput
