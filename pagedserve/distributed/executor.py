@@ -14,11 +14,13 @@ and the engine fails every request (it does not try to contain such a fault).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
 import weakref
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 
 import torch
@@ -27,7 +29,7 @@ import torch.multiprocessing as mp
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import protocol
-from pagedserve.distributed.worker import build_runner, join_group, leave_group, run_spawned
+from pagedserve.distributed.worker import join_group, leave_group, load_shard, run_spawned
 from pagedserve.engine.executor import ExecutorFailed
 from pagedserve.engine.scheduler import SchedulerOutput
 
@@ -70,18 +72,8 @@ class TensorParallelExecutor:
             if config.distributed_executor_backend != "external":
                 self._spawn(config, init_method)
             self.tp, self.control = join_group(0, size, init_method, config.distributed_timeout, config.device)
-            dist.broadcast_object_list([config], src=0, group=self.control)
-            error = None
-            try:
-                self.runner = build_runner(config, self.tp, 0)
-            except Exception as e:
-                error = e
-            errors = [None] * size
-            dist.all_gather_object(errors, None if error is None else repr(error), group=self.control)
-            if error is not None:
-                raise error
-            if any(errors):
-                raise RuntimeError(next(e for e in errors if e))
+            dist.broadcast_object_list([config], src=0, group=self.control)  # once: the engine's settings
+            self.runner = load_shard(config, self.tp, self.control)
         except BaseException:
             self.shutdown(notify=False)
             raise
@@ -176,8 +168,22 @@ class TensorParallelExecutor:
     def _command(self, head: torch.Tensor) -> None:
         dist.broadcast(head, src=0, group=self.control)
 
-    def _collectives(self) -> _Collectives:
-        return _Collectives(self)
+    @contextlib.contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """Around every exchange with the workers: refuse to start on a broken group, and turn an
+        error that breaks the group into ExecutorFailed. Other errors (a bad step, which every rank
+        hits alike) pass through for the engine to contain."""
+        self.check_health()
+        try:
+            yield
+        except ExecutorFailed:
+            raise
+        except Exception as error:
+            dead = self._dead_workers()
+            if dead or isinstance(error, dist.DistError) or any(
+                    s in str(error) for s in ("gloo", "NCCL", "Connection closed", "Timed out")):
+                raise self._fail(dead or repr(error)) from error
+            raise
 
     def _dead_workers(self) -> str:
         return "; ".join(f"worker rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
@@ -192,27 +198,6 @@ class TensorParallelExecutor:
                 process.kill()
             self.shutdown(notify=False)
         return ExecutorFailed(self._failed)
-
-
-class _Collectives:
-    """Around every exchange with the workers: refuse to start on a broken group, and turn an
-    error that breaks the group into ExecutorFailed. Other errors (a bad step, which every rank
-    hits alike) pass through for the engine to contain."""
-
-    def __init__(self, executor: TensorParallelExecutor) -> None:
-        self.executor = executor
-
-    def __enter__(self) -> None:
-        self.executor.check_health()
-
-    def __exit__(self, kind, error, tb) -> bool:
-        if error is None or not isinstance(error, Exception) or isinstance(error, ExecutorFailed):
-            return False
-        dead = self.executor._dead_workers()
-        if dead or isinstance(error, dist.DistError) or any(
-                s in str(error) for s in ("gloo", "NCCL", "Connection closed", "Timed out")):
-            raise self.executor._fail(dead or repr(error)) from error
-        return False
 
 
 def _said_ready(ready_end) -> bool:

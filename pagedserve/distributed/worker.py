@@ -59,19 +59,32 @@ def serve(rank: int, size: int, init_method: str, timeout_s: float, local_rank: 
     try:
         config = [None]
         dist.broadcast_object_list(config, src=0, group=control)  # once, at start: the engine's settings
-        runner, error = None, None
         try:
-            runner = build_runner(config[0], tp, local_rank)
-        except Exception as e:
-            logger.exception("rank %d could not load its shard", rank)
-            error = f"rank {rank} could not load its shard of the model: {e!r}"
-        errors = [None] * size
-        dist.all_gather_object(errors, error, group=control)
-        if any(errors):
-            return
+            runner = load_shard(config[0], tp, control, local_rank)
+        except Exception:
+            return  # the driver reports which rank failed, and why
         _loop(runner, control)
     finally:
         leave_group()
+
+
+def load_shard(config, tp: TPGroup, control, local_rank: int = 0):
+    """Every rank at once: build this rank's model runner over its shard, then learn whether all
+    ranks did. Raises this rank's own error, or RuntimeError naming another rank's."""
+    error = None
+    try:
+        runner = build_runner(config, tp, local_rank)
+    except Exception as e:
+        logger.exception("rank %d could not load its shard", tp.rank)
+        error = e
+    errors = [None] * tp.size
+    dist.all_gather_object(errors, None if error is None else f"rank {tp.rank} could not load its shard of the "
+                           f"model: {error!r}", group=control)
+    if error is not None:
+        raise error
+    if any(errors):
+        raise RuntimeError(next(e for e in errors if e))
+    return runner
 
 
 def build_runner(config, tp: TPGroup, local_rank: int):

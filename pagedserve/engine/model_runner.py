@@ -141,7 +141,7 @@ class ModelRunner:
                                               plan.new_tables, computed, seq_lens, plan.freed)
         starts = list(itertools.accumulate(plan.num_new_tokens, initial=0))  # each request's first token
         rows = [starts[i + 1] - 1 for i in sample_rows]
-        rows += [t for row, first, count in prompt_spans for t in range(starts[row] + first, starts[row] + first + count)]
+        rows += [starts[row] + first + k for row, first, count in prompt_spans for k in range(count)]
         return StepInputs(input_ids, computed, list(plan.num_new_tokens), tables,
                           list(plan.block_copies), rows)
 
@@ -149,7 +149,7 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The forward pass of a prepared step: float32 logits of `inputs.logits_rows` (None on
         a tensor-parallel rank other than 0, which computes its share of them only)."""
-        copy_blocks(self.kv_caches, inputs.block_copies)
+        self.copy_blocks(inputs.block_copies)
         md = self._metadata(inputs.block_tables, inputs.num_computed, inputs.num_new)
         ids = torch.tensor(inputs.input_ids, device=self.device)
         if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):
