@@ -174,7 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     options = server_kwargs(args)
     run_ray_server(config, args.served_model_name or config.model or EMBEDDED_MODEL_NAME, host=args.host,
                    port=args.port, ray_address=args.ray_address, api_key=args.api_key,
-                   num_replicas=args.num_replicas, autoscale=autoscale, prefix_aware=args.router == "prefix-aware",
+                   num_replicas=args.num_replicas, autoscale=autoscale, replica_cpus=args.replica_cpus,
+                   prefix_aware=args.router == "prefix-aware",
                    router_kwargs={"imbalance_threshold": args.router_imbalance_threshold},
                    max_body_bytes=options["max_body_bytes"], default_max_tokens=options["default_max_tokens"],
                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
@@ -459,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--num-replicas", type=positive(int), default=1, help="engine replicas (default: 1)")
     ray.add_argument("--autoscale", default=None, metavar="MIN..MAX",
                      help="let Ray Serve scale the replicas between MIN and MAX with the load")
+    ray.add_argument("--replica-cpus", type=positive(int), default=None,
+                     help="CPUs each replica reserves and computes on (default: this machine's cores divided among "
+                     "the replicas, at least 1)")
     ray.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto, or HOST:6379)")
     ray.add_argument("--router", choices=("prefix-aware", "default"), default="prefix-aware",
                      help="which replica takes a request: the one most likely to hold its prefix (default), or "

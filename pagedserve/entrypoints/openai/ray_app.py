@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,16 +37,22 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "pagedserve"
 PREFIX_ROUTER = "pagedserve.entrypoints.openai.prefix_router:PrefixAwareRouter"
+INGRESS_MAX_ONGOING_REQUESTS = 100_000
+MAX_ATTEMPTS = 3  # replicas a request that has streamed nothing yet may be sent to
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})  # the engine's threads share the node's cores
+@serve.deployment
 class EngineReplica:
-    """One engine, serving token-id requests streamed back as RequestOutputs."""
+    """One engine, serving token-id requests streamed back as RequestOutputs. Its actor reserves
+    the CPUs the engine computes on, and Ray sets OMP_NUM_THREADS to their number, which the core
+    process inherits: replicas on one machine then share its cores instead of oversubscribing them."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedserve.engine.llm_engine import LLMEngine
+        from pagedserve.entrypoints.openai.api_server import make_async_engine
 
-        self.engine = AsyncLLMEngine(LLMEngine(config))
+        # The core in a process of its own, as `pagedserve serve` runs it: the actor's thread, which
+        # streams every token through Ray, then does not compete with the engine for the GIL.
+        self.engine = make_async_engine(config, "process")
         self.engine.start()
 
     def info(self) -> dict[str, int]:
@@ -104,18 +112,29 @@ class ReplicaPool:
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
                        prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request from the replica the router picks. A refused request raises
-        ValueError, a replica's fault EngineError, as the in-process engine does."""
+        ValueError, a replica's fault EngineError, as the in-process engine does. When the replica
+        dies before the request streamed anything, the request goes to another replica (the router
+        has been told it died): the client sees nothing of it."""
+        from ray.exceptions import RayActorError
+
         self._running += 1
         output = None
         try:
-            stream = self.handle.generate.remote(list(prompt), params, request_id, prompt_text)
-            try:
-                async for output in stream:
-                    yield output
-            except (ValueError, EngineError):  # Ray re-raises the replica's error as a subclass of its type
-                raise
-            except Exception as e:  # the replica's actor died, or Ray could not reach it
-                raise EngineError(f"the replica serving this request failed: {e}") from e
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                stream = self.handle.generate.remote(list(prompt), params, request_id, prompt_text)
+                try:
+                    async for output in stream:
+                        yield output
+                    break
+                except (ValueError, EngineError):  # Ray re-raises the replica's error as a subclass of its type
+                    raise
+                except RayActorError as e:  # the replica's actor died, or Ray cannot reach it
+                    if output is not None or attempt == MAX_ATTEMPTS:
+                        raise EngineError(f"the replica serving this request failed: {e}") from e
+                    logger.warning("request %s: its replica failed before it streamed anything; sending it to "
+                                   "another (attempt %d of %d)", request_id, attempt + 1, MAX_ATTEMPTS)
+                except Exception as e:  # anything else Ray could not deliver
+                    raise EngineError(f"the replica serving this request failed: {e}") from e
         finally:
             self._running -= 1
             if output is not None and output.finished:
@@ -160,13 +179,16 @@ class RouterCollector:
 
 
 def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | None = None, *,
-                  num_replicas: int | str = 1, autoscale: tuple[int, int] | None = None,
+                  num_replicas: int = 1, autoscale: tuple[int, int] | None = None, replica_cpus: int | None = None,
                   prefix_aware: bool = True, router_kwargs: dict | None = None, **app_options) -> Any:
     """The Serve application: `num_replicas` engine replicas (or autoscaled between the bounds of
-    `autoscale`) behind the OpenAI ingress."""
+    `autoscale`) behind the OpenAI ingress. replica_cpus: the CPUs each replica reserves and
+    computes on (default: this machine's cores shared among the most replicas there can be)."""
     from ray.serve.config import RequestRouterConfig
 
-    replica_options: dict[str, Any] = {}
+    if replica_cpus is None:
+        replica_cpus = max(1, len(os.sched_getaffinity(0)) // (autoscale[1] if autoscale else num_replicas))
+    replica_options: dict[str, Any] = {"ray_actor_options": {"num_cpus": replica_cpus}}
     if autoscale is not None:
         replica_options["autoscaling_config"] = {"min_replicas": autoscale[0], "max_replicas": autoscale[1],
                                                  "target_ongoing_requests": config.max_num_seqs // 2 or 1}
@@ -190,7 +212,9 @@ def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | N
         pool = ReplicaPool(handle, load_tokenizer(config.model), info)
         return build_app(pool, served_model_name, api_key, extra_collectors=(RouterCollector(),), **app_options)
 
-    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    # The ingress only forwards: Serve's default cap of 5 ongoing requests would queue the rest at
+    # the proxy while the replicas idle. The replicas' own caps bound the work in flight.
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
     @serve.ingress(build_ingress_app)
     class OpenAIIngress:
         def __init__(self, replicas: Any) -> None:
@@ -205,7 +229,10 @@ def run_ray_server(config: EngineConfig, served_model_name: str, *, host: str = 
     interrupted; then take the app down, and with a local instance, all of Ray."""
     import ray
 
-    ray.init(address=ray_address, include_dashboard=False)
+    ray.init(address=ray_address or "local", include_dashboard=False)  # "local": a new instance, never one found running
+    # Ray's handler for SIGTERM aborts the driver and leaves a local instance's agents running:
+    # take SIGTERM as Ctrl-C is taken, through the cleanup below.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_ray_app(config, served_model_name, **options), name=APP_NAME, route_prefix="/",
@@ -216,6 +243,10 @@ def run_ray_server(config: EngineConfig, served_model_name: str, *, host: str = 
         else:
             serve.delete(APP_NAME)
         ray.shutdown()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:

@@ -5,14 +5,17 @@ keeps each system prompt on one replica where Ray Serve's default router spreads
 from __future__ import annotations
 
 import random
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import psutil  # a dependency of Ray
 import pytest
 import ray  # the Ray extra, which make test installs
 import torch
@@ -146,9 +149,14 @@ def test_prefix_aware_routing_beats_power_of_two_choices(ray_serve, checkpoint, 
     aware_rate, per_replica = routing_run(ray_serve, checkpoint, embedded_tokenizer, prefix_aware=True)
     print(f"prefix-cache hit rate: prefix-aware {aware_rate:.1%}, power of two choices {default_rate:.1%}, "
           f"requests per replica {sorted(per_replica.values())}")
-    # Measured: prefix-aware 90.9% every run; power of two choices 45-54% (its picks are random), so
-    # 1.7x to 2.0x. The issue asks 1.8x; the bound here is what every run cleared with room to spare.
-    assert aware_rate >= 1.5 * default_rate and aware_rate > 0.85
+    # The prefix-aware router keeps each replica on its two prompts, which its pool holds: every
+    # request but each prompt's first hits (the ceiling is 60/64 x 512/528 = 90.9%). The default
+    # router spreads all four prompts over both pools, each of which holds two: under LRU about
+    # half the requests hit (C/N = 2/4), so the expected ratio is 1.8x. Measured: 90.9% every run;
+    # the default 45-61% over 64 random picks. The bounds are what a router that ignored the
+    # prefix could not pass, with room for the default's spread: not the ratio of one draw.
+    assert aware_rate > 0.85, aware_rate
+    assert default_rate < 0.75, default_rate
     counts = sorted(per_replica.values())
     assert len(counts) == 2 and counts[1] <= 2 * counts[0]
 
@@ -163,36 +171,97 @@ def test_serve_ray_without_ray_installed_prints_the_pip_command():
     assert "pip install 'pagedserve[ray]'" in result.stderr
 
 
-def test_a_killed_replica_fails_its_requests_the_others_finish_and_serve_brings_it_back(ray_serve, checkpoint):
+def test_a_killed_replica_fails_what_it_streamed_retries_what_it_did_not_and_serve_brings_it_back(ray_serve,
+                                                                                                  checkpoint):
     serve.delete(APP_NAME)
-    url = deploy(ray_serve, checkpoint, num_replicas=2, engine={"num_kv_blocks": 256, "max_model_len": 1024})
+    # Two running and two queued requests per replica (max_ongoing_requests is 2 x max_num_seqs).
+    url = deploy(ray_serve, checkpoint, num_replicas=2,
+                 engine={"num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 2})
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     wait_until_routable(url, client, 2, prefix_aware=True)
     replicas = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["namespace"] == "serve" and "EngineReplica" in a["name"]]
     assert len(replicas) == 2
+    streaming = threading.Semaphore(0)
 
     def long_request(i: int) -> str:
         try:
-            stream = client.completions.create(model=MODEL, prompt=[5 + i, 6, 7, 8], max_tokens=300,
+            stream = client.completions.create(model=MODEL, prompt=[5 + i, 6, 7, 8], max_tokens=600,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
-            return f"done {sum(1 for _ in stream)} chunks"
+            finish = None
+            for n, chunk in enumerate(stream):
+                if n == 0:
+                    streaming.release()
+                finish = chunk.choices[0].finish_reason or finish
+            return f"done {finish}"
         except Exception as e:  # noqa: BLE001 (what the client sees is the point)
             return f"error {e}"
 
-    with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(long_request, i) for i in range(6)]
-        time.sleep(1.5)  # every request is running
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(long_request, i) for i in range(8)]
+        for _ in range(4):  # both replicas' running requests have streamed
+            assert streaming.acquire(timeout=60)
         ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=False)
-        results = [f.result(timeout=120) for f in futures]
+        results = [f.result(timeout=180) for f in futures]
     failed = [r for r in results if r.startswith("error")]
-    assert failed and len(failed) < len(results)  # the killed replica's requests, and only those, failed
+    # The killed replica's two streams fail; its two queued requests, which had streamed nothing,
+    # finish on the other replica.
+    assert len(failed) == 2, results
     assert all("the replica serving this request failed: The actor died" in r for r in failed), failed
+    assert results.count("done length") == 6, results
     deadline = time.monotonic() + 90
     while running_replicas() < 2:
         assert time.monotonic() < deadline, "Serve did not bring the replica back"
         time.sleep(0.5)
     assert client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2).choices[0].finish_reason
+
+
+def test_sigterm_takes_serve_ray_down_leaving_no_ray_process(ray_serve, checkpoint):
+    """`pagedserve serve --ray` starts a Ray instance of its own (not the one this module runs) and
+    takes it down whole on SIGTERM: every process it started exits."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--ray", "--model",
+                               checkpoint, "--port", str(port), "--num-kv-blocks", "64"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve --ray did not start"
+            time.sleep(0.5)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": checkpoint, "prompt": "Hi", "max_tokens": 3}).json()
+        assert reply["usage"]["completion_tokens"] == 3
+        started = psutil.Process(server.pid).children(recursive=True)
+        assert {"raylet", "gcs_server"} <= {p.name() for p in started}
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=90) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while alive := still_running(started):
+            assert time.monotonic() < deadline, f"left running: {alive}"
+            time.sleep(0.5)
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def still_running(processes: list[psutil.Process]) -> list[str]:
+    """The names of those that still run (a zombie has exited: only its parent has not reaped it)."""
+    names = []
+    for p in processes:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                names.append(p.name())
+        except psutil.NoSuchProcess:
+            pass
+    return names
 
 
 def test_autoscale_bounds_are_read_as_min_dot_dot_max():
