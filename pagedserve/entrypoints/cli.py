@@ -175,8 +175,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     run_ray_server(config, args.served_model_name or config.model or EMBEDDED_MODEL_NAME, host=args.host,
                    port=args.port, ray_address=args.ray_address, api_key=args.api_key,
                    num_replicas=args.num_replicas, autoscale=autoscale, replica_cpus=args.replica_cpus,
-                   prefix_aware=args.router == "prefix-aware",
-                   router_kwargs={"imbalance_threshold": args.router_imbalance_threshold},
+                   router=args.router,
+                   router_kwargs={"imbalance_threshold": args.router_imbalance_threshold}
+                   if args.router == "prefix-aware" else None,
                    max_body_bytes=options["max_body_bytes"], default_max_tokens=options["default_max_tokens"],
                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
@@ -288,6 +289,23 @@ def cmd_bench_prefix(args: argparse.Namespace) -> None:
     from pagedserve.bench.prefix import format_table, run_prefix_bench
 
     rows = run_prefix_bench(num_requests=args.num_requests, prefix_len=args.prefix_len, seed=args.seed, reps=args.reps)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+def cmd_bench_routing(args: argparse.Namespace) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        sys.exit(f"error: bench routing needs Ray Serve, which is not installed: {RAY_INSTALL}")
+    from pagedserve.bench.routing import format_table, run_routing_bench
+
+    rows = run_routing_bench(model=args.model, routers=tuple(args.routers.split(",")), replicas=args.replicas,
+                             num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+                             requests_per_prompt=args.requests_per_prompt, concurrency=args.concurrency,
+                             repeats=args.repeats, seed=args.seed)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -464,9 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="CPUs each replica reserves and computes on (default: this machine's cores divided among "
                      "the replicas, at least 1)")
     ray.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto, or HOST:6379)")
-    ray.add_argument("--router", choices=("prefix-aware", "default"), default="prefix-aware",
-                     help="which replica takes a request: the one most likely to hold its prefix (default), or "
-                     "Ray Serve's default (power of two choices)")
+    ray.add_argument("--router", choices=("prefix-aware", "default", "prefix-cache-affinity"), default="prefix-aware",
+                     help="which replica takes a request: the one most likely to hold its prefix (default); Ray Serve's "
+                     "default (power of two choices); or Ray Serve LLM's PrefixCacheAffinityRouter")
     ray.add_argument("--router-imbalance-threshold", type=int, default=8,
                      help="prefix-aware: how many more queued requests the preferred replica may have than the least "
                      "loaded before the request goes to the least loaded (default: 8)")
@@ -532,6 +550,21 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--reps", type=int, default=1)
     pre.add_argument("--json", default=None)
     pre.set_defaults(func=cmd_bench_prefix)
+
+    rt = bench.add_parser("routing", help="prefix-cache hit rates of replicas on Ray Serve under each request router")
+    rt.add_argument("--model", default=None, help="a checkpoint (default: the embedded model)")
+    rt.add_argument("--routers", default="default,prefix-cache-affinity,prefix-aware",
+                    help="comma list of serve --ray's --router choices (default: all three)")
+    rt.add_argument("--replicas", type=positive(int), default=2)
+    rt.add_argument("--num-prompts", type=positive(int), default=4, help="distinct system prompts")
+    rt.add_argument("--prompt-len", type=positive(int), default=512)
+    rt.add_argument("--requests-per-prompt", type=positive(int), default=16)
+    rt.add_argument("--concurrency", type=positive(int), default=4)
+    rt.add_argument("--repeats", type=positive(int), default=1,
+                    help="runs per router, each with its own random order (the default router's picks are random)")
+    rt.add_argument("--seed", type=int, default=0)
+    rt.add_argument("--json", default=None)
+    rt.set_defaults(func=cmd_bench_routing)
 
     so = bench.add_parser("structured", help="JSON-schema-constrained requests vs the same work unconstrained")
     so.add_argument("--num-requests", type=int, default=64)

@@ -7,11 +7,13 @@ histograms are fed by a hook as each request finishes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineStatsSnapshot
 from pagedserve.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -20,40 +22,53 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class EngineCollector(Collector):
+    """The engine's figures under vLLM's names. An engine whose figures come from several replicas
+    (the Ray ingress's `ReplicaPool`, which has `stats_by_replica`) reports each replica's under a
+    `replica` label."""
+
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self):
-        s = self.engine.stats
-        label = [self.model_name]
+        per_replica = getattr(self.engine, "stats_by_replica", None)
+        if per_replica is None:
+            label_names, series = ["model_name"], [([self.model_name], self.engine.stats)]
+        else:
+            label_names = ["model_name", "replica"]
+            series = [([self.model_name, replica], s) for replica, s in sorted(per_replica().items())]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            metric = GaugeMetricFamily(name, doc, labels=["model_name"])
-            metric.add_metric(label, value)
+        def family(kind, name: str, doc: str, value: Callable[[EngineStatsSnapshot], float]):
+            metric = kind(name, doc, labels=label_names)
+            for labels, s in series:
+                metric.add_metric(labels, value(s))
             return metric
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            metric = CounterMetricFamily(name, doc, labels=["model_name"])
-            metric.add_metric(label, value)
-            return metric
-
-        yield gauge("vllm:num_requests_running", "Sequences running (in the batch).", s.num_running)
-        yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv.usage)
-        yield gauge("pagedserve:kv_cache_total_blocks", "KV blocks in the pool.", s.kv.total_blocks)
-        yield gauge("pagedserve:kv_cache_free_blocks", "KV blocks free (cached prefixes included).",
-                    s.kv.free_blocks)
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.kv.prefix_queries)
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.kv.prefix_hits)
-        yield counter("vllm:num_preemptions", "Sequences preempted (to be recomputed).", s.num_preemptions)
-        yield counter("vllm:prompt_tokens", "Prompt tokens computed.", s.num_prompt_tokens)
-        yield counter("vllm:generation_tokens", "Tokens generated.", s.num_generation_tokens)
+        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Sequences running (in the batch).",
+                     lambda s: s.num_running)
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Sequences waiting to be scheduled.",
+                     lambda s: s.num_waiting)
+        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                     lambda s: s.kv.usage)
+        yield family(GaugeMetricFamily, "pagedserve:kv_cache_total_blocks", "KV blocks in the pool.",
+                     lambda s: s.kv.total_blocks)
+        yield family(GaugeMetricFamily, "pagedserve:kv_cache_free_blocks",
+                     "KV blocks free (cached prefixes included).", lambda s: s.kv.free_blocks)
+        yield family(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     lambda s: s.kv.prefix_queries)
+        yield family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     lambda s: s.kv.prefix_hits)
+        yield family(CounterMetricFamily, "vllm:num_preemptions", "Sequences preempted (to be recomputed).",
+                     lambda s: s.num_preemptions)
+        yield family(CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens computed.",
+                     lambda s: s.num_prompt_tokens)
+        yield family(CounterMetricFamily, "vllm:generation_tokens", "Tokens generated.",
+                     lambda s: s.num_generation_tokens)
         finished = CounterMetricFamily("vllm:request_success", "Sequences that ended, by reason.",
-                                       labels=["model_name", "finished_reason"])
-        for reason in FINISH_REASONS:
-            finished.add_metric([self.model_name, reason], s.finished.get(reason, 0))
+                                       labels=[*label_names, "finished_reason"])
+        for labels, s in series:
+            for reason in FINISH_REASONS:
+                finished.add_metric([*labels, reason], s.finished.get(reason, 0))
         yield finished
 
 

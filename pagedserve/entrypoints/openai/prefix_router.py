@@ -9,7 +9,10 @@ replica was sent goes to the replica that holds the fewest remembered blocks (th
 loaded), so that distinct prefixes spread over the caches rather than pile onto one.
 
 The router lives in the process that holds the deployment handle (the OpenAI ingress); its
-decisions are counted in `router_stats`, which the ingress's /metrics reports.
+decisions, and each replica's figures it is sent, are recorded in `router_stats`, which the
+ingress's /metrics reports. `ObservedPowerOfTwoChoices` (Ray Serve's default router) and
+`ObservedPrefixCacheAffinity` (Ray Serve LLM's) record the same but the decisions, for comparison:
+`serve --ray --router default|prefix-cache-affinity`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import random
 from collections import Counter, OrderedDict
 from typing import Any
 
+# Ray's own routers, from where the pinned Ray keeps them (Ray Serve LLM's public module for the
+# second imports the rest of ray[llm], which needs pyarrow; this one needs only Ray).
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from pagedserve.kv import hash_block
@@ -38,9 +45,7 @@ class PrefixAwareRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         from pagedserve.entrypoints.openai import router_stats  # at call time: see router_stats
 
-        for r in candidate_replicas:
-            if r.routing_stats:
-                router_stats.REPLICA_STATS[r.replica_id.unique_id] = r.routing_stats
+        observe(self, candidate_replicas)
         by_load = sorted(candidate_replicas, key=lambda r: (self._load(r), random.random()))
         if pending_request is None or not by_load:
             return [by_load]
@@ -84,22 +89,71 @@ class PrefixAwareRouter(RequestRouter):
             self.owned[self.owner.popitem(last=False)[1]] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        from pagedserve.entrypoints.openai import router_stats
-
         super().on_replica_actor_died(replica_id)
-        router_stats.REPLICA_STATS.pop(replica_id.unique_id, None)
+        forget(replica_id)
         for h in [h for h, owner in self.owner.items() if owner == replica_id]:
             del self.owner[h]  # its cache died with it
         self.owned.pop(replica_id, None)
 
     def _load(self, replica: RunningReplica) -> int:
-        return self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return queue_length(self, replica)
 
     def _hashes(self, pending_request: PendingRequest) -> list[bytes]:
         """The chained hashes of the prompt's first full blocks, as the replicas' KV managers make them."""
-        args = pending_request.args
-        tokens = args[0] if args else pending_request.kwargs.get("prompt_token_ids", [])
+        args = pending_request.args  # (ReplicaRequest,) for generate; () for the replicas' other methods
+        tokens = args[0].prompt_token_ids if args else []
         bs, hashes = self.block_size, []
         for i in range(min(len(tokens) // bs, self.max_blocks)):
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
         return hashes
+
+
+class Observed:
+    """Mixed into one of Ray's routers: it chooses as it does, and what it sees is recorded for the
+    ingress's /metrics as the prefix-aware router records it."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        observe(self, candidate_replicas)
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        from pagedserve.entrypoints.openai import router_stats
+
+        super().on_request_routed(pending_request, replica_id, result)
+        router_stats.ROUTED[replica_id.unique_id] += 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        forget(replica_id)
+
+
+class ObservedPowerOfTwoChoices(Observed, PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default router."""
+
+
+class ObservedPrefixCacheAffinity(Observed, PrefixCacheAffinityRouter):
+    """Ray Serve LLM's prefix-aware router: a character trie of the prompts it routed (here the
+    prompt's token ids, one character each: `ReplicaRequest.prompt`), in an actor of its own."""
+
+
+def queue_length(router: RequestRouter, replica: RunningReplica) -> int:
+    return router.replica_queue_len_cache.get(replica.replica_id) or 0
+
+
+def observe(router: RequestRouter, candidate_replicas: list[RunningReplica]) -> None:
+    """Record each candidate's latest routing stats (its engine's figures) and queue length."""
+    from pagedserve.entrypoints.openai import router_stats
+
+    for r in candidate_replicas:
+        if r.routing_stats:
+            router_stats.REPLICA_STATS[r.replica_id.unique_id] = r.routing_stats
+        router_stats.QUEUE_LENGTH[r.replica_id.unique_id] = queue_length(router, r)
+
+
+def forget(replica_id: ReplicaID) -> None:
+    from pagedserve.entrypoints.openai import router_stats
+
+    router_stats.REPLICA_STATS.pop(replica_id.unique_id, None)
+    router_stats.QUEUE_LENGTH.pop(replica_id.unique_id, None)

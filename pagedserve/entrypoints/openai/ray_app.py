@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import os
 import signal
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,8 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError, EngineStatsSnapshot
-from pagedserve.entrypoints.openai.router_stats import DECISIONS, REPLICA_STATS, ROUTED
+from pagedserve.engine.async_engine import EngineError, EngineStatsSnapshot
+from pagedserve.entrypoints.openai.router_stats import DECISIONS, QUEUE_LENGTH, REPLICA_STATS, ROUTED
 from pagedserve.kv import KVCacheStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -36,9 +35,29 @@ from pagedserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 APP_NAME = "pagedserve"
-PREFIX_ROUTER = "pagedserve.entrypoints.openai.prefix_router:PrefixAwareRouter"
+ROUTERS = {  # --router: the request router class of the replicas' handle
+    "prefix-aware": "pagedserve.entrypoints.openai.prefix_router:PrefixAwareRouter",
+    "default": "pagedserve.entrypoints.openai.prefix_router:ObservedPowerOfTwoChoices",  # Ray Serve's
+    "prefix-cache-affinity": "pagedserve.entrypoints.openai.prefix_router:ObservedPrefixCacheAffinity",  # Ray LLM's
+}
 INGRESS_MAX_ONGOING_REQUESTS = 100_000
 MAX_ATTEMPTS = 3  # replicas a request that has streamed nothing yet may be sent to
+
+
+@dataclasses.dataclass
+class ReplicaRequest:
+    """A request as the ingress sends it to a replica: the argument the routers read."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    prompt_text: str | None = None
+
+    @property
+    def prompt(self) -> str:
+        """One character per token id: Ray Serve LLM's router matches character prefixes of
+        `prompt`, which then are token prefixes, what the replicas' caches hold."""
+        return "".join(map(chr, self.prompt_token_ids))
 
 
 @serve.deployment
@@ -59,16 +78,15 @@ class EngineReplica:
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
                 "max_num_seqs": self.engine.max_num_seqs}
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
-        async for output in self.engine.generate(prompt_token_ids, params, request_id, prompt_text=prompt_text):
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestOutput]:
+        async for output in self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
+                                                 prompt_text=request.prompt_text):
             yield output
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the router reads of this replica (Ray Serve polls it): its load and its KV pool."""
-        s = self.engine.stats
-        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_preemptions": s.num_preemptions,
-                **dataclasses.asdict(s.kv)}
+        """This replica's figures (its EngineStatsSnapshot), which Ray Serve polls each second for
+        the router; the ingress's /metrics reports them under a replica label."""
+        return dataclasses.asdict(self.engine.stats)
 
     def check_health(self) -> None:
         if not self.engine.is_running:
@@ -86,25 +104,15 @@ class ReplicaPool:
         self.max_model_len, self.vocab_size, self.max_num_seqs = (
             info["max_model_len"], info["vocab_size"], info["max_num_seqs"])
         self._hooks: tuple[Callable[[RequestOutput], None], ...] = ()
-        self._running = 0
-        self._tokens = Counter()
-        self._finished: Counter[str] = Counter()
 
     @property
     def is_running(self) -> bool:
         return True  # Ray Serve restarts a replica that fails its health check
 
-    @property
-    def stats(self) -> EngineStatsSnapshot:
-        """Token and finish counts of what went through this ingress; load and KV figures summed
-        over the replicas' latest routing stats (refreshed each second)."""
-        replicas = list(REPLICA_STATS.values())
-        kv = KVCacheStats(**{f.name: sum(r.get(f.name, 0) for r in replicas)
-                             for f in dataclasses.fields(KVCacheStats)})
-        return EngineStatsSnapshot(
-            sum(r["num_running"] for r in replicas) if replicas else self._running,
-            sum(r["num_waiting"] for r in replicas), kv, sum(r["num_preemptions"] for r in replicas),
-            self._tokens["prompt"], self._tokens["generation"], dict(self._finished))
+    def stats_by_replica(self) -> dict[str, EngineStatsSnapshot]:
+        """Each live replica's latest figures, by its unique id (refreshed each second)."""
+        return {replica: EngineStatsSnapshot(**{**stats, "kv": KVCacheStats(**stats["kv"])})
+                for replica, stats in list(REPLICA_STATS.items())}
 
     def add_finish_hook(self, hook: Callable[[RequestOutput], None]) -> None:
         self._hooks = (*self._hooks, hook)
@@ -117,11 +125,10 @@ class ReplicaPool:
         has been told it died): the client sees nothing of it."""
         from ray.exceptions import RayActorError
 
-        self._running += 1
         output = None
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
-                stream = self.handle.generate.remote(list(prompt), params, request_id, prompt_text)
+                stream = self.handle.generate.remote(ReplicaRequest(list(prompt), params, request_id, prompt_text))
                 try:
                     async for output in stream:
                         yield output
@@ -136,19 +143,15 @@ class ReplicaPool:
                 except Exception as e:  # anything else Ray could not deliver
                     raise EngineError(f"the replica serving this request failed: {e}") from e
         finally:
-            self._running -= 1
             if output is not None and output.finished:
-                self._tokens["prompt"] += len(output.prompt_token_ids)
-                self._tokens["generation"] += sum(len(o.token_ids) for o in output.outputs)
-                for o in output.outputs:
-                    self._finished[o.finish_reason or "abort"] += 1
                 for hook in self._hooks:
                     hook(output)
 
 
 class RouterCollector:
-    """/metrics of the ingress: the router's decisions, requests per replica, and each replica's
-    load and KV figures, labelled by replica."""
+    """/metrics of the ingress: the router's decisions, and per replica the requests routed to it
+    and its queue as the router sees it. (Each replica's engine figures are the app's vllm:*
+    metrics, under a replica label: `ReplicaPool.stats_by_replica`.)"""
 
     def collect(self):
         decisions = CounterMetricFamily("pagedserve:router_decisions", "Prefix-aware routing decisions: affinity "
@@ -161,44 +164,38 @@ class RouterCollector:
         for replica, n in ROUTED.items():
             routed.add_metric([replica], n)
         yield routed
-        for name, doc, key in (("num_requests_running", "Requests running on the replica.", "num_running"),
-                               ("num_requests_waiting", "Requests queued on the replica.", "num_waiting")):
-            family = GaugeMetricFamily(f"pagedserve:replica_{name}", doc, labels=["replica"])
-            for replica, stats in REPLICA_STATS.items():
-                family.add_metric([replica], stats[key])
-            yield family
-        usage = GaugeMetricFamily("pagedserve:replica_kv_cache_usage_perc", "The replica's KV blocks in use.",
-                                  labels=["replica"])
-        hits = GaugeMetricFamily("pagedserve:replica_prefix_cache_hit_rate", "The replica's prefix-cache hits "
-                                 "over prompt tokens looked up.", labels=["replica"])
-        for replica, s in REPLICA_STATS.items():
-            usage.add_metric([replica], s["used_blocks"] / s["total_blocks"] if s["total_blocks"] else 0.0)
-            hits.add_metric([replica], s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0)
-        yield usage
-        yield hits
+        queue = GaugeMetricFamily("pagedserve:router_replica_queue_length", "Requests ongoing at each replica, as "
+                                  "the router last saw them.", labels=["replica"])
+        for replica, n in QUEUE_LENGTH.items():
+            queue.add_metric([replica], n)
+        yield queue
 
 
 def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | None = None, *,
                   num_replicas: int = 1, autoscale: tuple[int, int] | None = None, replica_cpus: int | None = None,
-                  prefix_aware: bool = True, router_kwargs: dict | None = None, **app_options) -> Any:
+                  router: str = "prefix-aware", router_kwargs: dict | None = None, **app_options) -> Any:
     """The Serve application: `num_replicas` engine replicas (or autoscaled between the bounds of
     `autoscale`) behind the OpenAI ingress. replica_cpus: the CPUs each replica reserves and
-    computes on (default: this machine's cores shared among the most replicas there can be)."""
+    computes on (default: this machine's cores shared among the most replicas there can be);
+    router: a key of ROUTERS, router_kwargs its options."""
     from ray.serve.config import RequestRouterConfig
 
     if replica_cpus is None:
         replica_cpus = max(1, len(os.sched_getaffinity(0)) // (autoscale[1] if autoscale else num_replicas))
-    replica_options: dict[str, Any] = {"ray_actor_options": {"num_cpus": replica_cpus}}
+    actor_options: dict[str, Any] = {"num_cpus": replica_cpus}
+    if config.device.startswith("cuda"):  # one GPU per tensor-parallel rank, on one machine
+        actor_options["num_gpus"] = config.tensor_parallel_size
+    replica_options: dict[str, Any] = {"ray_actor_options": actor_options}
     if autoscale is not None:
         replica_options["autoscaling_config"] = {"min_replicas": autoscale[0], "max_replicas": autoscale[1],
                                                  "target_ongoing_requests": config.max_num_seqs // 2 or 1}
     else:
         replica_options["num_replicas"] = num_replicas
-    if prefix_aware:
-        replica_options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PREFIX_ROUTER,
-            request_router_kwargs={"block_size": config.block_size, **(router_kwargs or {})},
-            request_routing_stats_period_s=1.0)
+    if router == "prefix-aware":
+        router_kwargs = {"block_size": config.block_size, **(router_kwargs or {})}
+    replica_options["request_router_config"] = RequestRouterConfig(
+        request_router_class=ROUTERS[router], request_router_kwargs=router_kwargs or {},
+        request_routing_stats_period_s=1.0)
     replicas = EngineReplica.options(max_ongoing_requests=config.max_num_seqs * 2, **replica_options).bind(config)
 
     def build_ingress_app():

@@ -12,4 +12,5 @@ from typing import Any
 # "no_match": no replica was sent this prefix before.
 DECISIONS: Counter[str] = Counter()
 ROUTED: Counter[str] = Counter()  # requests routed to each replica, by its unique id
+QUEUE_LENGTH: dict[str, int] = {}  # requests ongoing at each replica, as the router last saw them
 REPLICA_STATS: dict[str, dict[str, Any]] = {}  # each replica's `record_routing_stats`, by unique id

@@ -94,44 +94,59 @@ def test_the_openai_client_works_through_the_ingress(ray_serve, checkpoint):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(f"{url}/health").status_code == 200
-    metrics = read_metrics(url)
-    assert sum(v for k, v in metrics.items() if k.startswith("pagedserve:router_requests_total")) >= 3
+
+    # Each replica's engine figures, under vLLM's names and a replica label. Replicas report every
+    # second, and the router records a report as it routes: route small requests until the
+    # figures count the 26 tokens generated above.
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = read_metrics(url)
+        generated = {k: v for k, v in metrics.items() if k.startswith("vllm:generation_tokens_total:")}
+        if sum(generated.values()) >= 26:
+            break
+        assert time.monotonic() < deadline, metrics
+        time.sleep(1.0)
+        client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=1)
+    assert len(generated) == 2 and sum(generated.values()) <= 26 + 30  # one series per replica
+    replicas = {k.rsplit(":", 1)[1] for k in generated}
+    assert {k.rsplit(":", 1)[1] for k in metrics if k.startswith("vllm:kv_cache_usage_perc:")} == replicas
+    assert sum(v for k, v in metrics.items() if k.startswith("vllm:request_success_total:length:")) >= 4
+    assert sum(v for k, v in metrics.items() if k.startswith("pagedserve:router_requests_total")) >= 5
+    assert {k.rsplit(":", 1)[1] for k in metrics if k.startswith("pagedserve:router_replica_queue_length:")} == replicas
 
 
 def running_replicas() -> int:
     return serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
 
 
-def wait_until_routable(url: str, client: openai.OpenAI, replicas: int, prefix_aware: bool,
-                        timeout: float = 60.0) -> None:
-    """Until `replicas` replicas run and the ingress's handle routes to them (a deployment is ready
-    before every handle has heard of all its replicas), so that neither router starts on one."""
+def wait_until_routable(url: str, client: openai.OpenAI, replicas: int, timeout: float = 60.0) -> None:
+    """Until `replicas` replicas run and the ingress's router knows them all (a deployment is ready
+    before every handle has heard of all its replicas), so that no router starts on one."""
     deadline = time.monotonic() + timeout
     while running_replicas() < replicas:
         assert time.monotonic() < deadline, "the replicas did not start"
         time.sleep(0.2)
     time.sleep(2.0)  # the handle hears of new replicas by long poll
-    while prefix_aware:  # the prefix-aware router also says which replicas it knows
+    while True:  # the routers record the replicas they were offered, which /metrics lists
         client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=1)  # hashes no block
-        if sum(k.startswith("pagedserve:replica_num_requests_running") for k in read_metrics(url)) >= replicas:
+        if sum(k.startswith("vllm:num_requests_running:") for k in read_metrics(url)) >= replicas:
             return
         assert time.monotonic() < deadline, "the router does not know every replica"
         time.sleep(0.2)
 
 
-def routing_run(url: str, checkpoint: str, embedded_tokenizer, prefix_aware: bool) -> tuple[float, dict[str, float]]:
-    """4 distinct 512-token system prompts x 16 requests, in random order, 8 at a time, over 2
+def routing_run(url: str, checkpoint: str, router: str) -> tuple[float, dict[str, float]]:
+    """4 distinct 512-token system prompts x 16 requests, in random order, 4 at a time, over 2
     replicas whose pools hold about two of the prompts each: (the prefix-cache hit rate over all
     prompt tokens, requests per replica)."""
     serve.delete(APP_NAME)  # fresh replicas: empty caches
-    deploy(url, checkpoint, num_replicas=2, prefix_aware=prefix_aware,
-           engine={"num_kv_blocks": 70, "max_model_len": 1024})
+    deploy(url, checkpoint, num_replicas=2, router=router, engine={"num_kv_blocks": 70, "max_model_len": 1024})
     gen = random.Random(0)
     systems = [[gen.randrange(3, 49000) for _ in range(512)] for _ in range(4)]
     requests = [systems[i % 4] + [gen.randrange(3, 49000) for _ in range(16)] for i in range(64)]
     gen.shuffle(requests)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    wait_until_routable(url, client, 2, prefix_aware)
+    wait_until_routable(url, client, 2)
 
     def send(prompt: list[int]):
         return client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage
@@ -144,20 +159,21 @@ def routing_run(url: str, checkpoint: str, embedded_tokenizer, prefix_aware: boo
     return cached / sum(u.prompt_tokens for u in usages), per_replica
 
 
-def test_prefix_aware_routing_beats_power_of_two_choices(ray_serve, checkpoint, embedded_tokenizer):
-    default_rate, _ = routing_run(ray_serve, checkpoint, embedded_tokenizer, prefix_aware=False)
-    aware_rate, per_replica = routing_run(ray_serve, checkpoint, embedded_tokenizer, prefix_aware=True)
-    print(f"prefix-cache hit rate: prefix-aware {aware_rate:.1%}, power of two choices {default_rate:.1%}, "
-          f"requests per replica {sorted(per_replica.values())}")
+def test_prefix_aware_routing_beats_power_of_two_choices(ray_serve, checkpoint):
+    rates, balance = {}, {}
+    for router in ("default", "prefix-cache-affinity", "prefix-aware"):
+        rates[router], per_replica = routing_run(ray_serve, checkpoint, router)
+        balance[router] = sorted(per_replica.values())
+    print(f"prefix-cache hit rates {rates}, requests per replica {balance}")
     # The prefix-aware router keeps each replica on its two prompts, which its pool holds: every
-    # request but each prompt's first hits (the ceiling is 60/64 x 512/528 = 90.9%). The default
+    # request but each prompt's first hits (the ceiling is 60/64 x 512/528 = 90.9%). Ray's default
     # router spreads all four prompts over both pools, each of which holds two: under LRU about
     # half the requests hit (C/N = 2/4), so the expected ratio is 1.8x. Measured: 90.9% every run;
     # the default 45-61% over 64 random picks. The bounds are what a router that ignored the
     # prefix could not pass, with room for the default's spread: not the ratio of one draw.
-    assert aware_rate > 0.85, aware_rate
-    assert default_rate < 0.75, default_rate
-    counts = sorted(per_replica.values())
+    assert rates["prefix-aware"] > 0.85, rates
+    assert rates["default"] < 0.75, rates
+    counts = balance["prefix-aware"]
     assert len(counts) == 2 and counts[1] <= 2 * counts[0]
 
 
@@ -178,7 +194,7 @@ def test_a_killed_replica_fails_what_it_streamed_retries_what_it_did_not_and_ser
     url = deploy(ray_serve, checkpoint, num_replicas=2,
                  engine={"num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 2})
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    wait_until_routable(url, client, 2, prefix_aware=True)
+    wait_until_routable(url, client, 2)
     replicas = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["namespace"] == "serve" and "EngineReplica" in a["name"]]
     assert len(replicas) == 2

@@ -1,0 +1,47 @@
+"""`pagedserve bench routing`: the workload it sends, the table it prints, and one small run end to
+end on a local Ray instance of its own (the embedded model, two routers)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pagedserve.bench.routing import format_table, routing_workload, run_routing_bench
+
+
+def test_the_workload_is_each_system_prompt_in_equal_numbers_with_distinct_suffixes_in_random_order():
+    requests = routing_workload(num_prompts=4, prompt_len=32, requests_per_prompt=5, suffix_len=3, vocab_size=100,
+                                seed=1)
+    assert len(requests) == 20 and all(len(r) == 35 for r in requests)
+    assert all(3 <= t < 100 for r in requests for t in r)
+    assert sorted(Counter(tuple(r[:32]) for r in requests).values()) == [5, 5, 5, 5]
+    assert len({tuple(r[32:]) for r in requests}) == 20
+    firsts = list(dict.fromkeys(tuple(r[:32]) for r in requests))
+    order = [firsts.index(tuple(r[:32])) for r in requests]
+    assert order != [i % 4 for i in range(20)]  # shuffled, not round robin
+    assert routing_workload(4, 32, 5, 3, 100, seed=2) != requests
+
+
+def test_the_table_gives_each_router_its_mean_spread_and_ratio_to_the_default():
+    rows = [{"router": "default", "hit_rate": 0.4, "requests_per_replica": [30, 34], "workload": "w"},
+            {"router": "prefix-aware", "hit_rate": 0.9, "requests_per_replica": [32, 32], "workload": "w"},
+            {"router": "default", "hit_rate": 0.6, "requests_per_replica": [31, 33], "workload": "w"},
+            {"router": "prefix-aware", "hit_rate": 0.9, "requests_per_replica": [32, 32], "workload": "w"}]
+    table = format_table(rows)
+    assert "| default | 50.0% | 40.0% / 60.0% | 1.00x | 30:34; 31:33 |" in table
+    assert "| prefix-aware | 90.0% | 90.0% / 90.0% | 1.80x | 32:32; 32:32 |" in table
+    assert "2 run(s) per router" in table
+
+
+@pytest.mark.timeout(600)
+def test_a_small_run_end_to_end():
+    rows = run_routing_bench(routers=("default", "prefix-aware"), num_prompts=2, prompt_len=64,
+                             requests_per_prompt=4, concurrency=2)
+    assert [r["router"] for r in rows] == ["default", "prefix-aware"]
+    for r in rows:
+        assert 0.0 <= r["hit_rate"] <= 1.0 and r["seconds"] > 0
+        assert len(r["requests_per_replica"]) == 2 and sum(r["requests_per_replica"]) >= 8
+    # Each prompt's first request misses; what can hit is 6 x 64 of 8 x 80 prompt tokens.
+    assert rows[1]["hit_rate"] <= 6 * 64 / (8 * 80)
+    assert rows[1]["hit_rate"] > 0
