@@ -268,6 +268,46 @@ def test_sigterm_takes_serve_ray_down_leaving_no_ray_process(ray_serve, checkpoi
             server.kill()
 
 
+def test_a_replica_is_a_tensor_parallel_engine_with_its_own_workers(ray_serve, checkpoint):
+    serve.delete(APP_NAME)
+    url = deploy(ray_serve, checkpoint, num_replicas=1, replica_cpus=2,
+                 engine={"num_kv_blocks": 64, "tensor_parallel_size": 2})
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with LLM(checkpoint, num_kv_blocks=64) as offline:
+        expected = offline.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0),
+                                    use_tqdm=False)[0].outputs[0].text
+    got = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    assert got.choices[0].text == expected
+
+
+def test_autoscale_adds_a_replica_under_load(ray_serve, checkpoint):
+    serve.delete(APP_NAME)
+    # max_num_seqs 2: a replica's target is 1 ongoing request, so 6 streams ask for more replicas.
+    url = deploy(ray_serve, checkpoint, autoscale=(1, 2), engine={"num_kv_blocks": 256, "max_num_seqs": 2})
+    assert running_replicas() == 1
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    stop = threading.Event()
+
+    def stream_until_stopped(i: int) -> int:
+        done = 0
+        while not stop.is_set():
+            for _ in client.completions.create(model=MODEL, prompt=[5 + i, 6, 7], max_tokens=200, stream=True,
+                                               extra_body={"ignore_eos": True}):
+                pass
+            done += 1
+        return done
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream_until_stopped, i) for i in range(6)]
+        deadline = time.monotonic() + 180
+        while running_replicas() < 2:
+            assert time.monotonic() < deadline, "Serve did not add a replica"
+            assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
+            time.sleep(1.0)
+        stop.set()
+        assert all(f.result(timeout=120) >= 1 for f in futures)
+
+
 def still_running(processes: list[psutil.Process]) -> list[str]:
     """The names of those that still run (a zombie has exited: only its parent has not reaped it)."""
     names = []
