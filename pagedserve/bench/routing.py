@@ -12,6 +12,7 @@ tokens. Random routers (Ray Serve's default) differ from run to run: --repeats g
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import statistics
@@ -56,6 +57,7 @@ def run_routing_bench(model: str | None = None, routers: tuple[str, ...] = ROUTE
     kv_blocks = math.ceil(num_prompts / replicas) * math.ceil(prompt_len / block_size) + per_request - \
         prompt_len // block_size + 4
     config = EngineConfig(model=model, num_kv_blocks=kv_blocks, max_model_len=prompt_len + suffix_len + 16)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # Ray's logging setup would print every request
     vocab_size = len(load_tokenizer(model))
     port = free_port()
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
