@@ -51,11 +51,11 @@ def run_routing_bench(model: str | None = None, routers: tuple[str, ...] = ROUTE
     from pagedserve.models.loader import load_tokenizer
 
     block_size = EngineConfig().block_size
-    per_request = math.ceil((prompt_len + suffix_len + 1) / block_size)
-    # Room for the replica's share of the prompts plus one request's own blocks: a pool that holds
-    # its share, not all of them.
-    kv_blocks = math.ceil(num_prompts / replicas) * math.ceil(prompt_len / block_size) + per_request - \
-        prompt_len // block_size + 4
+    prompt_blocks = prompt_len // block_size  # the full blocks of a system prompt: what can be cached
+    own_blocks = math.ceil((prompt_len + suffix_len + 1) / block_size) - prompt_blocks  # a request's own tail
+    # A pool that holds the replica's share of the prompts and one request's tail (and a little
+    # room), not all the prompts.
+    kv_blocks = math.ceil(num_prompts / replicas) * prompt_blocks + own_blocks + 4
     config = EngineConfig(model=model, num_kv_blocks=kv_blocks, max_model_len=prompt_len + suffix_len + 16)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Ray's logging setup would print every request
     vocab_size = len(load_tokenizer(model))

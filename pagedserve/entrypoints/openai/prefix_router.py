@@ -90,10 +90,14 @@ class PrefixAwareRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        forget(replica_id)
+        forget(replica_id.unique_id)
         for h in [h for h, owner in self.owner.items() if owner == replica_id]:
             del self.owner[h]  # its cache died with it
         self.owned.pop(replica_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        forget_all_but(replicas)
 
     def _load(self, replica: RunningReplica) -> int:
         return queue_length(self, replica)
@@ -126,7 +130,11 @@ class Observed:
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        forget(replica_id)
+        forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        forget_all_but(replicas)
 
 
 class ObservedPowerOfTwoChoices(Observed, PowerOfTwoChoicesRequestRouter):
@@ -152,8 +160,17 @@ def observe(router: RequestRouter, candidate_replicas: list[RunningReplica]) -> 
         router_stats.QUEUE_LENGTH[r.replica_id.unique_id] = queue_length(router, r)
 
 
-def forget(replica_id: ReplicaID) -> None:
+def forget(unique_id: str) -> None:
     from pagedserve.entrypoints.openai import router_stats
 
-    router_stats.REPLICA_STATS.pop(replica_id.unique_id, None)
-    router_stats.QUEUE_LENGTH.pop(replica_id.unique_id, None)
+    router_stats.REPLICA_STATS.pop(unique_id, None)
+    router_stats.QUEUE_LENGTH.pop(unique_id, None)
+
+
+def forget_all_but(replicas: list[RunningReplica]) -> None:
+    """Drop the figures of replicas no longer in the deployment (scaled down, replaced)."""
+    from pagedserve.entrypoints.openai import router_stats
+
+    live = {r.replica_id.unique_id for r in replicas}
+    for unique_id in (set(router_stats.REPLICA_STATS) | set(router_stats.QUEUE_LENGTH)) - live:
+        forget(unique_id)

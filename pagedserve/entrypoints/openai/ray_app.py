@@ -180,6 +180,8 @@ def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | N
     router: a key of ROUTERS, router_kwargs its options."""
     from ray.serve.config import RequestRouterConfig
 
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
     if replica_cpus is None:
         replica_cpus = max(1, len(os.sched_getaffinity(0)) // (autoscale[1] if autoscale else num_replicas))
     actor_options: dict[str, Any] = {"num_cpus": replica_cpus}

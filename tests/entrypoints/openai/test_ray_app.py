@@ -327,3 +327,8 @@ def test_autoscale_bounds_are_read_as_min_dot_dot_max():
     for bad in ("4..1", "0..2", "2", "a..b"):
         with pytest.raises(ValueError, match="MIN..MAX"):
             parse_autoscale(bad)
+
+
+def test_an_unknown_router_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown router 'fastest'; choose from prefix-aware, default"):
+        build_ray_app(EngineConfig(num_kv_blocks=16), MODEL, router="fastest")
