@@ -1,5 +1,6 @@
 """`pagedserve bench routing`: the workload it sends, the table it prints, and one small run end to
-end on a local Ray instance of its own (the embedded model, two routers)."""
+end on a local Ray instance of its own (the embedded model; Ray Serve LLM's router and pagedserve's,
+as test_ray_app runs Ray Serve's default)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ def test_the_table_gives_each_router_its_mean_spread_and_ratio_to_the_default():
 
 @pytest.mark.timeout(600)
 def test_a_small_run_end_to_end():
-    rows = run_routing_bench(routers=("default", "prefix-aware"), num_prompts=2, prompt_len=64,
+    rows = run_routing_bench(routers=("prefix-cache-affinity", "prefix-aware"), num_prompts=2, prompt_len=64,
                              requests_per_prompt=4, concurrency=2)
-    assert [r["router"] for r in rows] == ["default", "prefix-aware"]
+    assert [r["router"] for r in rows] == ["prefix-cache-affinity", "prefix-aware"]
     for r in rows:
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["seconds"] > 0
         assert len(r["requests_per_replica"]) == 2 and sum(r["requests_per_replica"]) >= 8
