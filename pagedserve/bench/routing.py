@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,32 +22,22 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.bench.servers import free_port
+from pagedserve.bench.workload import system_prompts
 
 ROUTER_NAMES = ("default", "prefix-cache-affinity", "prefix-aware")
-
-
-def routing_workload(num_prompts: int, prompt_len: int, requests_per_prompt: int, suffix_len: int,
-                     vocab_size: int, seed: int) -> list[list[int]]:
-    gen = random.Random(seed)
-    systems = [[gen.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(num_prompts)]
-    requests = [systems[i % num_prompts] + [gen.randrange(3, vocab_size) for _ in range(suffix_len)]
-                for i in range(num_prompts * requests_per_prompt)]
-    gen.shuffle(requests)
-    return requests
 
 
 def run_routing_bench(model: str | None = None, routers: tuple[str, ...] = ROUTER_NAMES, replicas: int = 2,
                       num_prompts: int = 4, prompt_len: int = 512, requests_per_prompt: int = 16,
                       suffix_len: int = 16, concurrency: int = 4, repeats: int = 1, seed: int = 0) -> list[dict]:
-    """One row per router and repeat: hit rate, requests per replica, seconds. Starts a local Ray
-    instance of its own and takes it down."""
+    """One row per router and repeat (`workload.system_prompts`, seed + repeat): hit rate, requests
+    per replica, seconds. Starts a local Ray instance of its own and takes it down."""
     import openai
     import ray
     from ray import serve
 
     from pagedserve.config import EngineConfig
     from pagedserve.entrypoints.openai.ray_app import APP_NAME, build_ray_app
-    from pagedserve.models.loader import load_tokenizer
 
     block_size = EngineConfig().block_size
     prompt_blocks = prompt_len // block_size  # the full blocks of a system prompt: what can be cached
@@ -58,7 +47,6 @@ def run_routing_bench(model: str | None = None, routers: tuple[str, ...] = ROUTE
     kv_blocks = math.ceil(num_prompts / replicas) * prompt_blocks + own_blocks + 4
     config = EngineConfig(model=model, num_kv_blocks=kv_blocks, max_model_len=prompt_len + suffix_len + 16)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Ray's logging setup would print every request
-    vocab_size = len(load_tokenizer(model))
     port = free_port()
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     rows = []
@@ -71,15 +59,14 @@ def run_routing_bench(model: str | None = None, routers: tuple[str, ...] = ROUTE
                 serve.run(build_ray_app(config, "bench", num_replicas=replicas, router=router), name=APP_NAME,
                           route_prefix="/")
                 _wait_until_routable(url, client, replicas)
-                requests = routing_workload(num_prompts, prompt_len, requests_per_prompt, suffix_len,
-                                            vocab_size, seed=seed + repeat)
+                workload = system_prompts(num_prompts, requests_per_prompt, seed + repeat, prompt_len, suffix_len)
 
                 def send(prompt: list[int]):
                     return client.completions.create(model="bench", prompt=prompt, max_tokens=1).usage
 
                 start = time.perf_counter()
                 with ThreadPoolExecutor(concurrency) as pool:
-                    usages = list(pool.map(send, requests))
+                    usages = list(pool.map(send, [r.prompt_token_ids for r in workload.requests]))
                 seconds = time.perf_counter() - start
                 per_replica = [v for k, v in _metrics(url).items() if k[0] == "pagedserve:router_requests_total"]
                 rows.append({"router": router, "repeat": repeat, "seconds": seconds,

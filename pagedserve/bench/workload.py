@@ -74,6 +74,18 @@ def shared_prefix(num_requests: int = 32, seed: int = 0, prefix_len: int = 512, 
         for _ in range(num_requests)])
 
 
+def system_prompts(num_prompts: int = 4, requests_per_prompt: int = 16, seed: int = 0, prompt_len: int = 512,
+                   suffix_len: int = 16, output_len: int = 1, vocab: range = range(100, 49000)) -> Workload:
+    """Several long system prompts, each behind many requests with a short suffix of their own, in
+    random order: what a prefix-aware router over replicas is for (`bench routing`)."""
+    rng = random.Random(seed)
+    prompts = [_random_tokens(rng, prompt_len, vocab) for _ in range(num_prompts)]
+    requests = [WorkloadRequest(prompts[i % num_prompts] + _random_tokens(rng, suffix_len, vocab), output_len)
+                for i in range(num_prompts * requests_per_prompt)]
+    rng.shuffle(requests)
+    return Workload("system-prompts", requests)
+
+
 def parallel_sampling(num_requests: int = 16, seed: int = 0, n: int = 4, prompt_len=(16, 512),
                       output_len=(16, 256), vocab: range = range(100, 49000)) -> Workload:
     """n samples of each prompt (n x the output tokens)."""

@@ -1,4 +1,6 @@
-from pagedserve.bench.workload import WORKLOADS, parallel_sampling, shared_prefix, sharegpt_like
+from collections import Counter
+
+from pagedserve.bench.workload import WORKLOADS, parallel_sampling, shared_prefix, sharegpt_like, system_prompts
 
 
 def test_workloads_are_seeded_and_bounded():
@@ -29,3 +31,15 @@ def test_long_prompt_lengths():
     assert WORKLOADS["long-prompt"] is long_prompt and workload.name == "long-prompt"
     assert all(512 <= len(r.prompt_token_ids) <= 2048 and 32 <= r.output_len <= 256 for r in workload.requests)
     assert workload.requests == long_prompt(num_requests=40, seed=1).requests
+
+
+def test_system_prompts_are_each_behind_equally_many_requests_with_their_own_suffixes_in_random_order():
+    w = system_prompts(num_prompts=4, requests_per_prompt=5, prompt_len=32, suffix_len=3, seed=1)
+    requests = [r.prompt_token_ids for r in w.requests]
+    assert len(requests) == 20 and all(len(r) == 35 for r in requests)
+    assert all(100 <= t < 49000 for r in requests for t in r)
+    assert sorted(Counter(tuple(r[:32]) for r in requests).values()) == [5, 5, 5, 5]
+    assert len({tuple(r[32:]) for r in requests}) == 20
+    firsts = list(dict.fromkeys(tuple(r[:32]) for r in requests))
+    assert [firsts.index(tuple(r[:32])) for r in requests] != [i % 4 for i in range(20)]  # shuffled
+    assert system_prompts(4, 5, seed=2, prompt_len=32, suffix_len=3).requests != w.requests

@@ -84,7 +84,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     to arrive; default_max_tokens: max_tokens for a request that sets none (vLLM's max_new_tokens
     generation setting; default: up to the context limit for chat, 16 for completions);
     enable_auto_tool_choice and tool_call_parser: vLLM's tool-calling settings (serving_chat);
-    extra_collectors: more prometheus collectors for /metrics. The app's drain (app.state.drain) is driven by http_server.GracefulServer."""
+    extra_collectors: more prometheus collectors for /metrics. The app's drain (app.state.drain) is
+    driven by http_server.GracefulServer."""
     bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(bound and bound.max_chars)
