@@ -108,12 +108,24 @@ def test_result_does_not_depend_on_the_thread_count():
     assert torch.equal(one, many)  # each (request, KV head) is summed by one thread, in one order
 
 
-def test_only_the_decode_rows_are_written():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_only_the_decode_rows_are_written(dtype):
     q, k_cache, v_cache, md = decode_case([40, 3], 4, 2, 4, 16)
-    q = torch.cat([torch.randn(3, 4, 16), q])  # three rows that belong to no decode
+    q = torch.cat([torch.randn(3, 4, 16), q]).to(dtype)  # three rows that belong to no decode
     md.decode_token_indices += 3
-    out = run_kernel(q, k_cache, v_cache, md, 0.3, None)
+    out = run_kernel(q, k_cache.to(dtype), v_cache.to(dtype), md, 0.3, None)
     assert out[:3].isnan().all() and not out[3:].isnan().any()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_queries_are_widened_and_outputs_rounded_as_torch_does(cache_dtype):
+    """bfloat16 q and out go into the kernel as they are: the result is the float32 computation on
+    the widened queries, rounded to bfloat16 once (to nearest, ties to even), bit for bit."""
+    q, k_cache, v_cache, md = decode_case([1, 17, 700, 2500, 33], 16, 3, 9, 64, seed=4)
+    q, k_cache, v_cache = (q * 3).bfloat16(), k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    in_bf16 = run_kernel(q, k_cache, v_cache, md, 0.125, None)
+    in_float32 = run_kernel(q.float(), k_cache, v_cache, md, 0.125, None)
+    assert in_bf16.dtype == torch.bfloat16 and torch.equal(in_bf16, in_float32.bfloat16())
 
 
 def test_builds_once_and_reuses_the_cached_library(tmp_path, monkeypatch, fresh_load):
