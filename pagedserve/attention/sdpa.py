@@ -3,8 +3,8 @@
 Same contract and results as `torch_ref.paged_attention` (the oracle it is tested against), with
 fewer and cheaper ops per layer. Its metadata (`SdpaMetadata`) splits the step into one-token
 requests (decodes), batched, and the others, one at a time (`BatchedDecodeMetadata`):
-- on CPU in float32 (cache float32 or fp8), one-token requests (decodes) run in the C kernel of
-  `cpu_kernel`, which reads K/V in place through the block tables;
+- on CPU in float32 or bfloat16 (any cache type), one-token requests (decodes) run in the C
+  kernel of `cpu_kernel`, which reads K/V in place through the block tables;
 - elsewhere (another dtype or device, no C compiler) decodes run through torch's fused
   scaled_dot_product_attention in a few groups of similar context length
   (`SdpaMetadata.decode_groups`): little padding, and each group's K/V, gathered a whole
