@@ -455,11 +455,15 @@ static inline __attribute__((always_inline)) void prefill_tile(
     const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch)
 {
     const int64_t tokens = i1 - i0, rows = group * tokens;
-    /* scratch: acc [rows * head_dim], m and l [rows] each. */
-    float *acc = scratch, *m = acc + rows * head_dim, *l = m + rows;
+    /* scratch: acc [rows * head_dim], m and l [rows] each, then the rows' q [rows + RB zero rows][head_dim]:
+     * one base pointer for a register block's rows (six pointers did not stay in registers). */
+    float *acc = scratch, *m = acc + rows * head_dim, *l = m + rows, *qs = l + rows;
     memset(acc, 0, sizeof(float) * rows * head_dim);
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY, l[r] = 0.0f;
+        memcpy(qs + r * head_dim, q + ROW_OFFSET(r), sizeof(float) * head_dim);
+    }
+    memset(qs + rows * head_dim, 0, sizeof(float) * RB * head_dim);
     const int64_t last = ctx + i1 - 1; /* the item's last position: no row sees past it */
 
     for (int64_t j0 = staged_from(ctx + i0, window); j0 <= last; j0 += KT) {
@@ -468,9 +472,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
         const int masked = tile_is_masked(j0, ctx + i0, last, window);
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
-            const float *qr[RB];
-            for (int64_t b = 0; b < RB; b++)
-                qr[b] = q + ROW_OFFSET(r0 + (b < nr ? b : 0));
+            const float *qb = qs + r0 * head_dim;
             /* Scores: RB rows x KT keys, head_dim broadcast multiply-adds each. */
             vec s[RB][KV_];
             for (int64_t b = 0; b < RB; b++)
@@ -482,7 +484,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
                     k[c] = load(kj + d * KT + c * VL);
                 for (int64_t b = 0; b < RB; b++)
                     for (int c = 0; c < KV_; c++)
-                        s[b][c] += qr[b][d] * k[c];
+                        s[b][c] += qb[b * head_dim + d] * k[c];
             }
             float p[RB][KT] __attribute__((aligned(64))), corr[RB];
             tile_softmax(s, p, corr, m, l, r0, nr, tokens, ctx + i0, j0, masked, window, scale);
@@ -561,9 +563,11 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
     const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch)
 {
     const int64_t tokens = i1 - i0, rows = group * tokens, half = head_dim / 2;
-    /* scratch: acc [rows * head_dim], m and l [rows] each, then the rows' q as bf16 pairs [rows * half]. */
+    /* scratch: acc [rows * head_dim], m and l [rows] each, then the rows' q as bf16 pairs [rows + RB zero
+     * rows][half]. */
     float *acc = scratch, *m = acc + rows * head_dim, *l = m + rows;
     uint32_t *qw = (uint32_t *)(l + rows);
+    memset(qw + rows * half, 0, sizeof(uint32_t) * RB * half);
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY, l[r] = 0.0f;
@@ -581,9 +585,7 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
         const int masked = tile_is_masked(j0, ctx + i0, last, window);
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
-            const uint32_t *qr[RB];
-            for (int64_t b = 0; b < RB; b++)
-                qr[b] = qw + (r0 + (b < nr ? b : 0)) * half;
+            const uint32_t *qb = qw + r0 * half;
             vec s[RB][KV_];
             for (int64_t b = 0; b < RB; b++)
                 for (int c = 0; c < KV_; c++)
@@ -593,9 +595,9 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
                 for (int c = 0; c < KV_; c++)
                     k[c] = load_pairs(kj + d * KT + c * VL);
                 for (int64_t b = 0; b < RB; b++) {
-                    const __m512bh qb = pair_broadcast(qr[b][d]);
+                    const __m512bh qbd = pair_broadcast(qb[b * half + d]);
                     for (int c = 0; c < KV_; c++)
-                        s[b][c] = (vec)_mm512_dpbf16_ps((__m512)s[b][c], k[c], qb);
+                        s[b][c] = (vec)_mm512_dpbf16_ps((__m512)s[b][c], k[c], qbd);
                 }
             }
             float p[RB][KT] __attribute__((aligned(64))), corr[RB];
@@ -718,7 +720,7 @@ int paged_prefill_attention(
         }
         /* (the loop's implicit barrier: every key is staged before any tile reads it) */
         const int64_t rows = group * QT;
-        float *scratch = malloc(sizeof(float) * (rows * head_dim + 2 * rows + rows * head_dim / 2));
+        float *scratch = malloc(sizeof(float) * (rows * head_dim + 2 * rows + (rows + RB) * head_dim));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
