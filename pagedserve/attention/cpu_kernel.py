@@ -73,14 +73,6 @@ def supports(q: Tensor, k_cache: Tensor) -> bool:
             and k_cache.shape[-1] % VECTOR_WIDTH == 0)
 
 
-def _in_float32(kernel, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, rows: Tensor, *rest) -> None:
-    """kernel(...) for bfloat16 q and out: the kernels compute in float32, so q is widened and
-    out's `rows` (the only ones the kernel writes) are rounded once at the end."""
-    out32 = torch.empty(q.shape, dtype=torch.float32)
-    kernel(q.float(), k_cache, v_cache, out32, rows, *rest)
-    out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
-
-
 def decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -127,7 +119,6 @@ def prefill_attention(
     k_cache: Tensor,
     v_cache: Tensor,
     out: Tensor,
-    rows: Tensor,
     q_starts: Tensor,
     num_new: Tensor,
     block_tables: Tensor,
@@ -135,20 +126,15 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None,
     kv_scales: Tensor | None = None,
-    bf16_queries: bool = False,
 ) -> None:
     """Write into out the attention of multi-token requests: request r's new tokens are rows
     q_starts[r] .. q_starts[r] + num_new[r] - 1 of q, at positions seq_lens[r] - num_new[r] ..
     seq_lens[r] - 1, and see every cached position up to their own (within the window). Their K/V,
-    the new tokens' included, are already in the cache. rows: every row of q those requests own
-    (only these rows of out are written). q, out: float32 or bfloat16 (computed in float32, as in
-    `decode_attention`, except bfloat16 q over a bfloat16 cache where `prefill_has_bf16_dot`); the
-    rest as for `decode_attention`; q_starts, num_new, seq_lens: [n] int64. bf16_queries: float32 q
-    that holds bfloat16 values (set by the bfloat16 call itself)."""
-    if q.dtype != torch.float32:
-        widened = functools.partial(prefill_attention, bf16_queries=q.dtype == torch.bfloat16)
-        return _in_float32(widened, q, k_cache, v_cache, out, rows, q_starts, num_new, block_tables, seq_lens, scale,
-                           sliding_window, kv_scales)
+    the new tokens' included, are already in the cache. Only those requests' rows of out are
+    written. q, out: both float32 or both bfloat16 (computed in float32, as in `decode_attention`,
+    except bfloat16 q over a bfloat16 cache where `prefill_has_bf16_dot`); the rest as for
+    `decode_attention`; q_starts, num_new, seq_lens: [n] int64."""
+    assert q.dtype == out.dtype, "q and out share one dtype"
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for t in (q, out, k_cache, v_cache, q_starts, num_new, block_tables, seq_lens):
@@ -160,7 +146,7 @@ def prefill_attention(
         num_new.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         q_starts.shape[0], block_tables.shape[1], block_size, q.shape[1], num_kv_heads, head_dim,
         scale, sliding_window or 0, torch.get_num_threads(), KV_FORMATS[k_cache.dtype], k_scale, v_scale,
-        int(bf16_queries),
+        int(q.dtype == torch.bfloat16),
     )
     if status != 0:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch space")

@@ -79,13 +79,13 @@ class SdpaMetadata(BatchedDecodeMetadata):
         return groups
 
     @functools.cached_property
-    def prefill_kernel_batch(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def prefill_kernel_batch(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """`prefill_batch` of every multi-token request: built by the first layer, reused by the others."""
         return self.prefill_batch(tuple(self.prefill_req_indices))
 
-    def prefill_batch(self, reqs: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def prefill_batch(self, reqs: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Multi-token requests `reqs` as the C prefill kernel reads them: each one's first row in
-        the batch, new tokens, context length and block table, and every row they own."""
+        the batch, new tokens, context length and block table."""
         qsl, device = self.query_start_loc_cpu, self.block_tables.device
         starts = [qsl[i] for i in reqs]
         num_new = [qsl[i + 1] - qsl[i] for i in reqs]
@@ -93,8 +93,7 @@ class SdpaMetadata(BatchedDecodeMetadata):
         return (torch.tensor(starts, dtype=torch.int64, device=device),
                 torch.tensor(num_new, dtype=torch.int64, device=device),
                 torch.tensor([self.seq_lens_cpu[i] for i in reqs], dtype=torch.int64, device=device),
-                self.block_tables[torch.tensor(reqs, device=device), :width].contiguous(),
-                torch.cat([torch.arange(a, a + n, device=device) for a, n in zip(starts, num_new)]))
+                self.block_tables[torch.tensor(reqs, device=device), :width].contiguous())
 
 
 def _group_by_length(reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -136,8 +135,8 @@ def paged_attention(
 
     qsl, prefills = md.query_start_loc_cpu, md.prefill_req_indices
     if prefills and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
-        q_starts, num_new, seq_lens, tables, rows = md.prefill_kernel_batch
-        cpu_kernel.prefill_attention(q.contiguous(), k_cache, v_cache, out, rows, q_starts, num_new, tables,
+        q_starts, num_new, seq_lens, tables = md.prefill_kernel_batch
+        cpu_kernel.prefill_attention(q.contiguous(), k_cache, v_cache, out, q_starts, num_new, tables,
                                      seq_lens, scale, sliding_window, kv_scales)
         prefills = []
     for i in prefills:

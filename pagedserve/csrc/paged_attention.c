@@ -10,7 +10,8 @@
  * through ctypes; tests/attention/test_cpu_kernel.py holds both against the torch oracle.
  *
  * Layouts (C-contiguous):
- *   q, out           [num_tokens, num_heads, head_dim]   only rows token_indices[r] are used
+ *   q, out           [num_tokens, num_heads, head_dim]   only rows token_indices[r] are used; float32,
+ *                    or bfloat16 where bf16_io (q widened exactly, out rounded once)
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
  *   token_indices, seq_lens [n]; block_tables [n, table_stride] (int64)
  * Query head h reads KV head h / (num_heads / num_kv_heads). Request r, at position
@@ -435,14 +436,19 @@ static inline int64_t staged_from(int64_t from, int64_t window)
     return first - first % KT;
 }
 
-/* acc[r] = out row r's sum of p . V, divided by l[r] (and V's scale) into out. */
+/* acc[r] = out row r's sum of p . V, divided by l[r] (and V's scale) into out (float32, or bfloat16
+ * rounded once where bf16_io). */
 #define ROW_OFFSET(r) (((q_start + i0 + (r) % tokens) * num_heads + kvh * group + (r) / tokens) * head_dim)
 #define WRITE_ROWS()                                                                                          \
     for (int64_t r = 0; r < rows; r++) {                                                                      \
-        float *o = out + ROW_OFFSET(r);                                                                       \
         const float inv = v_scale / l[r];                                                                     \
-        for (int64_t d = 0; d < head_dim; d++)                                                                \
-            o[d] = acc[r * head_dim + d] * inv;                                                               \
+        for (int64_t d = 0; d < head_dim; d++) {                                                              \
+            const float o = acc[r * head_dim + d] * inv;                                                      \
+            if (bf16_io)                                                                                      \
+                ((uint16_t *)out)[ROW_OFFSET(r) + d] = float_to_bf16(o);                                      \
+            else                                                                                              \
+                ((float *)out)[ROW_OFFSET(r) + d] = o;                                                        \
+        }                                                                                                     \
     }
 
 /* One work item: rows = group x (tokens i0..i1-1 of the request's new tokens, at positions ctx + i).
@@ -450,9 +456,9 @@ static inline int64_t staged_from(int64_t from, int64_t window)
  * staged K and V for this KV head, from key stage_start on, tile by tile: each tile's K transposed
  * ([head_dim][KT], contiguous), its V as KT rows. */
 static inline __attribute__((always_inline)) void prefill_tile(
-    const float *kt, const float *vt, int64_t stage_start, const float *q, float *out,
+    const float *kt, const float *vt, int64_t stage_start, const void *q, void *out,
     int64_t q_start, int64_t ctx, int64_t i0, int64_t i1, int64_t kvh, int64_t num_heads, int64_t group,
-    const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch)
+    const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch, int bf16_io)
 {
     const int64_t tokens = i1 - i0, rows = group * tokens;
     /* scratch: acc [rows * head_dim], m and l [rows] each, then the rows' q [rows + RB zero rows][head_dim]:
@@ -461,7 +467,9 @@ static inline __attribute__((always_inline)) void prefill_tile(
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY, l[r] = 0.0f;
-        memcpy(qs + r * head_dim, q + ROW_OFFSET(r), sizeof(float) * head_dim);
+        for (int64_t d = 0; d < head_dim; d++)
+            qs[r * head_dim + d] = bf16_io ? bf16_to_float(((const uint16_t *)q)[ROW_OFFSET(r) + d])
+                                           : ((const float *)q)[ROW_OFFSET(r) + d];
     }
     memset(qs + rows * head_dim, 0, sizeof(float) * RB * head_dim);
     const int64_t last = ctx + i1 - 1; /* the item's last position: no row sees past it */
@@ -556,13 +564,14 @@ static inline __attribute__((always_inline)) void stage_kv_tile_bf16(
 static inline __m512bh pair_broadcast(uint32_t word) { return (__m512bh)_mm512_set1_epi32((int)word); }
 static inline __m512bh load_pairs(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-/* prefill_tile for a staged bfloat16 tile (layouts above); q rows are float32 holding bfloat16 values. */
+/* prefill_tile for a staged bfloat16 tile (layouts above), bfloat16 q and out. */
 static inline __attribute__((always_inline)) void prefill_tile_bf16(
-    const uint32_t *kt, const uint32_t *vt, int64_t stage_start, const float *q, float *out,
+    const uint32_t *kt, const uint32_t *vt, int64_t stage_start, const void *q, void *out,
     int64_t q_start, int64_t ctx, int64_t i0, int64_t i1, int64_t kvh, int64_t num_heads, int64_t group,
     const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch)
 {
     const int64_t tokens = i1 - i0, rows = group * tokens, half = head_dim / 2;
+    const int bf16_io = 1; /* (this path's q and out are bfloat16) */
     /* scratch: acc [rows * head_dim], m and l [rows] each, then the rows' q as bf16 pairs [rows + RB zero
      * rows][half]. */
     float *acc = scratch, *m = acc + rows * head_dim, *l = m + rows;
@@ -571,11 +580,7 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY, l[r] = 0.0f;
-        const float *row = q + ROW_OFFSET(r);
-        for (int64_t d = 0; d < head_dim; d += 2 * VL) { /* 32 floats -> 32 bfloat16 (exact: q was bfloat16) */
-            const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + d + VL), _mm512_loadu_ps(row + d));
-            _mm512_storeu_si512(qw + r * half + d / 2, (__m512i)pairs);
-        }
+        memcpy(qw + r * half, (const uint16_t *)q + ROW_OFFSET(r), sizeof(uint16_t) * head_dim);
     }
     const int64_t last = ctx + i1 - 1;
 
@@ -662,14 +667,14 @@ int prefill_has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
 /* Request r's new tokens are rows q_starts[r]..q_starts[r] + num_new[r] - 1 of q and out, at
  * positions seq_lens[r] - num_new[r] ... seq_lens[r] - 1; its K/V (the new tokens' included) are
- * already in the cache. Layouts and format as for paged_decode_attention. bf16_queries: q holds
- * bfloat16 values (widened), so that over a bfloat16 cache the products may run in bfloat16. */
+ * already in the cache. Layouts, format and bf16_io as for paged_decode_attention; bfloat16 q over a
+ * bfloat16 cache multiply in bfloat16 where the CPU can (prefill_tile_bf16). */
 int paged_prefill_attention(
-    const float *q, const void *k_cache, const void *v_cache, float *out,
+    const void *q, const void *k_cache, const void *v_cache, void *out,
     const int64_t *q_starts, const int64_t *num_new, const int64_t *block_tables, const int64_t *seq_lens,
     int64_t n, int64_t table_stride, int64_t block_size,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale, int bf16_queries)
+    float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale, int bf16_io)
 {
     const struct paged_kv kv = {k_cache, v_cache, block_size, num_kv_heads * head_dim};
     const int64_t group = num_heads / num_kv_heads;
@@ -687,7 +692,7 @@ int paged_prefill_attention(
     }
     /* bfloat16 queries over a bfloat16 cache: bf16 dot products where the CPU has them (the staged
      * K/V then use half the words allocated). */
-    const int bf16_dot = HAVE_BF16_DOT && bf16_queries && format == KV_BF16 && head_dim % (2 * VL) == 0;
+    const int bf16_dot = HAVE_BF16_DOT && bf16_io && format == KV_BF16 && head_dim % (2 * VL) == 0;
     (void)bf16_dot; /* (read only where HAVE_BF16_DOT) */
     float *staged = malloc(sizeof(float) * stage_offset[n]);
     if (staged == NULL) {
@@ -752,7 +757,7 @@ int paged_prefill_attention(
 #endif
 #define TILE(dim) \
     prefill_tile(kt, vt, staged_from(ctx, window), q, out, q_starts[r], ctx, i0, i1, kvh, num_heads, group, \
-                 dim, scale * k_scale, v_scale, window, scratch)
+                 dim, scale * k_scale, v_scale, window, scratch, bf16_io)
             if (head_dim == 64)
                 TILE(64);
             else if (head_dim == 128)

@@ -185,8 +185,8 @@ def prefill_case(reqs, block_size, kv_heads, heads, dim, seed=0, decodes=()):
 
 def run_prefill(q, k_cache, v_cache, md, scale, window, kv_scales=None):
     out = torch.full_like(q, float("nan"))
-    q_starts, num_new, seq_lens, tables, rows = md.prefill_batch(tuple(md.prefill_req_indices))
-    cpu_kernel.prefill_attention(q, k_cache, v_cache, out, rows, q_starts, num_new, tables, seq_lens, scale, window,
+    q_starts, num_new, seq_lens, tables = md.prefill_batch(tuple(md.prefill_req_indices))
+    cpu_kernel.prefill_attention(q, k_cache, v_cache, out, q_starts, num_new, tables, seq_lens, scale, window,
                                  kv_scales)
     return out
 
@@ -285,7 +285,22 @@ def test_prefill_does_not_depend_on_the_thread_count():
     assert torch.equal(one, many)  # each (request, tile, KV head) is summed by one thread, in one order
 
 
-def test_prefill_writes_only_the_rows_of_multi_token_requests():
-    q, k_cache, v_cache, md = prefill_case([(0, 40), (10, 7)], 4, 2, 4, 16, decodes=[30, 5])
-    out = run_prefill(q, k_cache, v_cache, md, 0.3, None)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_writes_only_the_rows_of_multi_token_requests(dtype):
+    q, k_cache, v_cache, md = prefill_case([(0, 40), (10, 7)], 4, 2, 4, 32, decodes=[30, 5])
+    out = run_prefill(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), md, 0.3, None)
     assert not out[:47].isnan().any() and out[47:].isnan().all()  # the two decode rows come last
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8_DTYPE])
+def test_bfloat16_prefill_widens_queries_and_rounds_outputs_as_torch_does(cache_dtype):
+    """bfloat16 q and out go into the prefill kernel as they are: over a cache it reads in float32
+    arithmetic, the result is the float32 computation on the widened queries rounded to bfloat16
+    once, bit for bit."""
+    q, k_cache, v_cache, md = prefill_case([(0, 300), (100, 77)], 16, 3, 9, 64, seed=5)
+    if cache_dtype == FP8_DTYPE:
+        k_cache, v_cache = quantize(k_cache, torch.tensor(0.02)), quantize(v_cache, torch.tensor(0.02))
+    q = q.bfloat16()
+    in_bf16 = run_prefill(q, k_cache, v_cache, md, 0.125, None)
+    in_float32 = run_prefill(q.float(), k_cache, v_cache, md, 0.125, None)
+    assert in_bf16.dtype == torch.bfloat16 and torch.equal(in_bf16, in_float32.bfloat16())
