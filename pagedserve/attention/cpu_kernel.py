@@ -4,8 +4,8 @@ Decode attention is memory-bound: a step reads every running request's whole con
 the context into a padded tensor for SDPA copies it (read, write, read again); the kernel reads
 each K/V row in place through the block table, once: on the 2-core test machine, 64 decodes with
 ~240 tokens of context each took 0.7 ms per layer against 5-8 ms for the SDPA path. Its blocks
-lie anywhere in the pool, so it asks for the next one while it reads the current one, a few lines
-at a time (reading from a 30-layer pool: 22 -> 33 GB/s in float32, docs/benchmarks.md).
+lie anywhere in the pool, so while it reads one it asks for the block about 12 KiB ahead, a few
+lines at a time (reading from a 30-layer pool: 22 -> 33 GB/s in float32, docs/benchmarks.md).
 
 Prompt attention is compute-bound: the prefill kernel takes every multi-token request of a step
 in one call, in flash-style tiles (a running softmax; the scores are never written out whole),
