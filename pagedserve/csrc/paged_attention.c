@@ -335,7 +335,6 @@ static inline __attribute__((always_inline)) void stage_kv_tile(
     const int format, float *kt, float *vt)
 {
     const int64_t bs = kv->block_size, stride = kv->token_stride;
-    const int64_t esize = format == KV_FP8 ? 1 : format == KV_BF16 ? 2 : sizeof(float);
     for (int64_t t = 0; t < KT; t++) {
         const int64_t j = j0 + t;
         float *vrow = vt + t * head_dim;
@@ -344,7 +343,7 @@ static inline __attribute__((always_inline)) void stage_kv_tile(
                 kt[d * KT + t] = 0.0f, vrow[d] = 0.0f;
             continue;
         }
-        const int64_t slot = table[j / bs] * bs + j % bs, offset = (slot * stride + kvh * head_dim) * esize;
+        const int64_t slot = table[j / bs] * bs + j % bs, offset = (slot * stride + kvh * head_dim) * kv_bytes(format);
         const uint8_t *krow = (const uint8_t *)kv->k_cache + offset, *vsrc = (const uint8_t *)kv->v_cache + offset;
         for (int64_t d = 0; d < head_dim; d++) {
             if (format == KV_F32) {
@@ -437,14 +436,14 @@ static inline int64_t staged_from(int64_t from, int64_t window)
 }
 
 /* acc[r] = out row r's sum of p . V, divided by l[r] (and V's scale) into out (float32, or bfloat16
- * rounded once where bf16_io). */
+ * rounded once where bf16). */
 #define ROW_OFFSET(r) (((q_start + i0 + (r) % tokens) * num_heads + kvh * group + (r) / tokens) * head_dim)
-#define WRITE_ROWS()                                                                                          \
+#define WRITE_ROWS(bf16)                                                                                      \
     for (int64_t r = 0; r < rows; r++) {                                                                      \
         const float inv = v_scale / l[r];                                                                     \
         for (int64_t d = 0; d < head_dim; d++) {                                                              \
             const float o = acc[r * head_dim + d] * inv;                                                      \
-            if (bf16_io)                                                                                      \
+            if (bf16)                                                                                         \
                 ((uint16_t *)out)[ROW_OFFSET(r) + d] = float_to_bf16(o);                                      \
             else                                                                                              \
                 ((float *)out)[ROW_OFFSET(r) + d] = o;                                                        \
@@ -519,7 +518,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
             }
         }
     }
-    WRITE_ROWS();
+    WRITE_ROWS(bf16_io);
 }
 
 #if defined(__AVX512BF16__)
@@ -571,7 +570,6 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
     const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch)
 {
     const int64_t tokens = i1 - i0, rows = group * tokens, half = head_dim / 2;
-    const int bf16_io = 1; /* (this path's q and out are bfloat16) */
     /* scratch: acc [rows * head_dim], m and l [rows] each, then the rows' q as bf16 pairs [rows + RB zero
      * rows][half]. */
     float *acc = scratch, *m = acc + rows * head_dim, *l = m + rows;
@@ -636,7 +634,7 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
             }
         }
     }
-    WRITE_ROWS();
+    WRITE_ROWS(1);
 }
 #else
 #define HAVE_BF16_DOT 0
