@@ -26,7 +26,10 @@ def test_tensor_parallel_steps_show_the_broadcast_and_the_collectives(tiny_check
     profile = profile_decode(None, embedded_tokenizer, batch=3, steps=4, tensor_parallel_size=2,
                              model_path=str(tiny_checkpoint("llama")[0]), prompt_len=(4, 40), vocab=range(3, 120))
     assert 0 < profile.parts_s["broadcast"] < profile.step_s
-    assert 0 < profile.parts_s["collectives"] < profile.parts_s["forward"] + profile.parts_s["logits"]
+    # Each step's collectives lie within that step, so their median cannot pass the steps' median.
+    # (Not within median forward + median logits: medians of separate parts need not add up, and a
+    # full-suite run failed that way, collectives 9.95 ms against forward 9.00 + logits 0.41.)
+    assert 0 < profile.parts_s["collectives"] < profile.step_s
 
 
 def test_matmul_parameters_of_the_embedded_model(embedded_model):
