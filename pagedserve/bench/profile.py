@@ -36,7 +36,7 @@ from pagedserve.bench.workload import sharegpt_like
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sampler import SamplingBatch
-from pagedserve.models.layers import OneDNNWeight, linear
+from pagedserve.models.layers import PackedWeight, linear
 from pagedserve.sampling_params import SamplingParams
 
 PARTS = ("schedule", "prepare", "broadcast", "forward", "logits", "sample", "engine")
@@ -165,7 +165,7 @@ def matmul_ceiling(model, tokens: int = 512, reps: int = 3) -> float:
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights.append(model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
     inputs = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=w.dtype) for w in weights}
-    packed = [OneDNNWeight() for _ in weights]
+    packed = [PackedWeight() for _ in weights]
     paths = [lambda x, w, _: F.linear(x, w), lambda x, w, p: linear(x, w, None, p)]
     flops = 2 * tokens * sum(w.numel() for w in weights)
     best = float("inf")

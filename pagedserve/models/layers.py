@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedserve.distributed.group import TPGroup
-from pagedserve.models import fused_cpu
+from pagedserve.models import cpu_linear, fused_cpu
 
 
 class RMSNorm(nn.Module):
@@ -95,33 +95,46 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class OneDNNWeight:
-    """A weight's copy in oneDNN's blocked layout, remade whenever the weight is replaced or
-    written. Packed for batches of about PACK_ROWS rows (a hint: any row count works): the 120
-    layer matmuls of the embedded model's shapes at 64 rows took 74 ms packed, 88 ms from a plain
-    oneDNN copy, on the 2-core test machine."""
+class PackedWeight:
+    """A weight's copies in the layouts the CPU matmuls read: oneDNN's blocked layout, and
+    csrc/linear.c's panels (`cpu_linear.pack`). Each is made on first use and remade whenever the
+    weight is replaced or written. oneDNN's is packed for batches of about ONEDNN_ROWS rows (a hint:
+    any row count works): the 120 layer matmuls of the embedded model's shapes at 64 rows took 74 ms
+    packed, 88 ms from a plain oneDNN copy, on the 2-core test machine."""
 
-    PACK_ROWS = 64
+    ONEDNN_ROWS = 64
 
     def __init__(self) -> None:
         self.key: tuple | None = None
-        self.packed: Tensor | None = None
+        self.copies: dict[str, Tensor] = {}
 
-    def get(self, weight: Tensor) -> Tensor:
+    def onednn(self, weight: Tensor) -> Tensor:
+        return self._get(weight, "onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, self.ONEDNN_ROWS))
+
+    def panels(self, weight: Tensor) -> Tensor:
+        return self._get(weight, "panels", cpu_linear.pack)
+
+    def _get(self, weight: Tensor, layout: str, make) -> Tensor:
         key = (weight.data_ptr(), weight._version, weight.shape)
         if key != self.key:
-            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.PACK_ROWS), key
-        return self.packed
+            self.copies, self.key = {}, key
+        if layout not in self.copies:
+            self.copies[layout] = make(weight.detach())
+        return self.copies[layout]
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, onednn: OneDNNWeight) -> Tensor:
-    """x @ weight.T + bias. On CPU in float32 (and in bfloat16 where the CPU has bf16 instructions)
-    this goes through oneDNN with the weight kept in its blocked layout. On the machines we measured
-    (docs/benchmarks.md), float32: 1.1x (large batches) to 2x (a few tokens) the speed of torch's
-    default CPU matmul, the same arithmetic up to rounding; bfloat16: 1.2x at 64 rows, 1.5x at 8,
-    bit-identical results. Costs a second copy of the weights in memory."""
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight) -> Tensor:
+    """x @ weight.T + bias. On CPU, a few rows (decode) go through csrc/linear.c, which streams
+    the weights once per call: at 16 rows 1.5x (bfloat16) and 1.25x (float32) the speed of
+    oneDNN's GEMM on the 2-core test machine (docs/benchmarks.md). More rows go through oneDNN with
+    the weight kept in its blocked layout, in float32 and where the CPU has bf16 instructions also
+    in bfloat16: 1.1x (large batches) to 2x (a few tokens) the speed of torch's default CPU matmul
+    in float32, 1.2x at 64 rows in bfloat16. Same arithmetic up to rounding; each path costs a
+    copy of the weights it reads, made on first use."""
+    if cpu_linear.supports(x, weight):
+        return cpu_linear.linear(x, packed.panels(weight), weight.shape[0], bias)
     if x.device.type == "cpu" and x.dtype == weight.dtype and _onednn_packs(x.dtype):
-        return torch.ops.mkldnn._linear_pointwise(x, onednn.get(weight), bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed.onednn(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -133,14 +146,14 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear` (oneDNN on CPU in float32 and bfloat16)."""
+    """nn.Linear through `linear` (csrc/linear.c or oneDNN on CPU in float32 and bfloat16)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.onednn = OneDNNWeight()
+        self.packed = PackedWeight()
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.onednn)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(Linear):
@@ -155,7 +168,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(linear(x, self.weight, None, self.onednn))
+        out = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
         return out if self.bias is None else out.add_(self.bias)
 
 

@@ -19,7 +19,7 @@ from pagedserve.attention.kv_quant import calibrated_scale
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models.config import ModelConfig
-from pagedserve.models.layers import (GatedMLP, Linear, OneDNNWeight, RMSNorm, RotaryEmbedding, RowParallelLinear,
+from pagedserve.models.layers import (GatedMLP, Linear, PackedWeight, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                       VocabParallelEmbedding, apply_rotary, linear)
 from pagedserve.models.sharding import TPShard
 
@@ -118,7 +118,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, shard.vocab_rows, bias=False)
         )
-        self.head_onednn = OneDNNWeight()
+        self.head_packed = PackedWeight()
 
     @classmethod
     def empty(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -151,7 +151,7 @@ class DecoderForCausalLM(nn.Module):
         """Logits [rows, vocab_size]. Under tensor parallelism each rank computes its slice of the
         vocabulary and rank 0 gathers them; the other ranks get None."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_columns(linear(hidden, weight, None, self.head_onednn))
+        logits = self.tp.gather_columns(linear(hidden, weight, None, self.head_packed))
         return logits if logits is None or self.tp.size == 1 else logits[:, : self.config.vocab_size]
 
     def checkpoint_targets(self) -> dict[str, Target]:
