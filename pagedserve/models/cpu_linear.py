@@ -17,8 +17,9 @@ from torch import Tensor
 
 from pagedserve import native
 
-# Above this many rows oneDNN's GEMM wins (docs/benchmarks.md: bfloat16 crosses over between 128
-# and 256 rows, float32 between 64 and 256).
+# Above this many rows oneDNN's GEMM is as fast or faster (docs/benchmarks.md: over the model's
+# matmuls float32 crossed over between 128 and 192 rows; bfloat16 was still 1.05x faster here at 192,
+# but per layer at 512 rows oneDNN was 1.15x faster).
 MAX_ROWS = 128
 PANEL = 64  # output columns per panel, as in csrc/linear.c
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -45,7 +46,8 @@ def _dtype_supported(dtype: torch.dtype) -> bool:
 def supports(x: Tensor, weight: Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (x.device.type == "cpu" and x.dtype == weight.dtype and 0 < rows <= MAX_ROWS
-            and (x.dtype == torch.float32 or weight.shape[1] % 2 == 0) and _dtype_supported(x.dtype))
+            and x.shape[-1] == weight.shape[1] and (x.dtype == torch.float32 or weight.shape[1] % 2 == 0)
+            and _dtype_supported(x.dtype))
 
 
 def pack(weight: Tensor) -> Tensor:
@@ -60,9 +62,9 @@ def pack(weight: Tensor) -> Tensor:
 
 def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
     """x @ W.T (+ bias), given W's `pack`, for any x and W that `supports` accepts."""
-    x = x.contiguous()
+    x, bias = x.contiguous(), None if bias is None else bias.contiguous()  # held: the kernel reads them
     k = x.shape[-1]
     y = x.new_empty((*x.shape[:-1], out_features))
-    load().linear(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+    load().linear(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), None if bias is None else bias.data_ptr(),
                   y.data_ptr(), out_features, _DTYPES[x.dtype], torch.get_num_threads())
     return y

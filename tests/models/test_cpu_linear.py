@@ -100,6 +100,9 @@ def test_what_it_takes_and_what_it_leaves_to_onednn(dtype):
     assert not cpu_linear.supports(torch.randn(1, 10, dtype=torch.float16), w.half())
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     assert not cpu_linear.supports(torch.randn(1, 10, dtype=other), w)
+    assert not cpu_linear.supports(torch.randn(1, 12, dtype=dtype), w)  # k differs: torch raises
+    with pytest.raises(RuntimeError):
+        linear(torch.randn(1, 12, dtype=dtype), w, None, PackedWeight())
     odd = torch.randn(64, 9, dtype=dtype)  # bfloat16 steps take k in pairs
     assert cpu_linear.supports(torch.randn(1, 9, dtype=dtype), odd) == (dtype == torch.float32)
 
