@@ -14,7 +14,8 @@
  *
  * A tile of up to 6 rows x 64 columns of sums lives in 24 of the 32 vector registers through a
  * chunk of 64 steps (16 KB of panel, resident in L1 while each group of 6 rows passes over it),
- * and every pass prefetches the chunk after. Threads split the panels.
+ * and every pass prefetches the chunk after (past a panel's end too: a prefetch never faults).
+ * Threads split the panels by halves.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -153,9 +154,10 @@ void linear(const void *x, int64_t m, int64_t k, const void *packed, const void 
             int half = h % 2 || h + 1 == end;
             int64_t first = h / 2 * PANEL + (h % 2) * PANEL / 2;
             int64_t cols = n - first < (half ? PANEL / 2 : PANEL) ? n - first : (half ? PANEL / 2 : PANEL);
+            const char *panel = (const char *)packed + h / 2 * steps * STEP_BYTES + (h % 2) * STEP_BYTES / 2;
             if (cols > 0)
-                columns((const char *)x, m, k, elem, steps, (const char *)packed + h / 2 * steps * STEP_BYTES + (h % 2) * STEP_BYTES / 2,
-                        tiles[half], (const char *)bias, (char *)y, n, first, (int)cols, dtype);
+                columns((const char *)x, m, k, elem, steps, panel, tiles[half], (const char *)bias, (char *)y, n,
+                        first, (int)cols, dtype);
             h += half ? 1 : 2;
         }
     }

@@ -125,7 +125,7 @@ class PackedWeight:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight) -> Tensor:
     """x @ weight.T + bias. On CPU, a few rows (decode) go through csrc/linear.c, which streams
-    the weights once per call: at 16 rows 1.5x (bfloat16) and 1.25x (float32) the speed of
+    the weights once per call: at 16 rows 1.56x (bfloat16) and 1.41x (float32) the speed of
     oneDNN's GEMM on the 2-core test machine (docs/benchmarks.md). More rows go through oneDNN with
     the weight kept in its blocked layout, in float32 and where the CPU has bf16 instructions also
     in bfloat16: 1.1x (large batches) to 2x (a few tokens) the speed of torch's default CPU matmul
