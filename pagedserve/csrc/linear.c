@@ -122,9 +122,9 @@ int linear_supports(int dtype) {
 
 /* Columns [first, first + cols) of y = x @ W.T (+ bias): one panel, or a half of one (vectors
  * 0-1 or 2-3 of each step, so the threads can split an odd number of panels evenly). */
-static void columns(const char *x, int64_t m, int64_t k, int elem, int64_t steps, const char *panel,
-                    const tile_fn *tiles, const char *bias, char *y, int64_t n, int64_t first, int cols,
-                    int dtype) {
+static void columns(const char *x, int64_t m, int64_t k, int64_t steps, const char *panel, const tile_fn *tiles,
+                    const char *bias, char *y, int64_t n, int64_t first, int cols, int dtype) {
+    const int elem = dtype == F32 ? 4 : 2;
     float sums[ROWS_MAX * PANEL];
     for (int64_t r0 = 0; r0 < m; r0 += ROWS_MAX) {
         int64_t rows = m - r0 < ROWS_MAX ? m - r0 : ROWS_MAX;
@@ -142,7 +142,6 @@ static void columns(const char *x, int64_t m, int64_t k, int elem, int64_t steps
 /* x [m, k] (rows contiguous), packed W (see the top), bias [n] or NULL -> y [m, n]. */
 void linear(const void *x, int64_t m, int64_t k, const void *packed, const void *bias, void *y, int64_t n,
             int dtype, int threads) {
-    const int elem = dtype == F32 ? 4 : 2;
     const int64_t steps = dtype == F32 ? k : k / 2, halves = 2 * ((n + PANEL - 1) / PANEL);
     const tile_fn(*tiles)[ROWS + 1] = dtype == F32 ? f32_TILES : bf16_TILES;
 #pragma omp parallel num_threads(threads)
@@ -156,8 +155,8 @@ void linear(const void *x, int64_t m, int64_t k, const void *packed, const void 
             int64_t cols = n - first < (half ? PANEL / 2 : PANEL) ? n - first : (half ? PANEL / 2 : PANEL);
             const char *panel = (const char *)packed + h / 2 * steps * STEP_BYTES + (h % 2) * STEP_BYTES / 2;
             if (cols > 0)
-                columns((const char *)x, m, k, elem, steps, panel, tiles[half], (const char *)bias, (char *)y, n,
-                        first, (int)cols, dtype);
+                columns((const char *)x, m, k, steps, panel, tiles[half], (const char *)bias, (char *)y, n, first,
+                        (int)cols, dtype);
             h += half ? 1 : 2;
         }
     }

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedserve import native
 from pagedserve.models import cpu_linear
 from pagedserve.models.layers import PackedWeight, linear
 
 
 def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    return set(native.cpu_features().split())
 
 
 DTYPES = [torch.float32, torch.bfloat16]
