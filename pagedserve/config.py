@@ -41,7 +41,7 @@ class EngineConfig:
         False, "fp8 KV cache: set each layer's scales from the first forward pass (else 1.0)")
     gpu_memory_utilization: float = _setting(
         0.9, "CUDA: the share of the GPU's memory the engine may take, weights, activations and KV cache all told")
-    enforce_eager: bool = _setting(False, "CUDA: run decode steps eagerly, without capturing CUDA graphs")
+    enforce_eager: bool = _setting(False, "run decode steps eagerly: no CUDA graphs, no CPU replays (cpu_graphs.py)")
     max_num_seqs: int = _setting(256, "the most requests (sequences) running at once")
     max_num_batched_tokens: int = _setting(2048, "the most tokens one step computes (prompts are chunked to fit)")
     max_model_len: int | None = _setting(None, "the longest prompt + output (default: the model's context, "

@@ -5,6 +5,9 @@ pagedserve's cache folder (`pagedserve/cache.py`), keyed by the text of every fi
 source and the headers it includes), its flags, the compiler and the CPU's features, so that an
 edit or another machine never loads a stale build. Libraries link OpenMP: the process already has
 torch's libgomp loaded, so they share its thread pool.
+
+Every call into a kernel goes through `call`, so that a `recording` can note the calls of a whole
+forward pass for replay in C (engine/cpu_graphs.py, csrc/replay.c).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pagedserve.cache import cache_dir
@@ -85,3 +90,28 @@ def load_library(name: str, flags: list[str] = FLAGS) -> ctypes.CDLL:
         return ctypes.CDLL(str(compile_source(name, compiler, flags)))
     except (OSError, subprocess.CalledProcessError) as exc:
         raise BuildError(str(exc)) from exc
+
+
+# The calls noted by the active `recording`, or None.
+_recorded: list[tuple[ctypes._CFuncPtr, tuple]] | None = None
+
+
+def call(fn: ctypes._CFuncPtr, *args):
+    """fn(*args), noted while a `recording` is active."""
+    result = fn(*args)
+    if _recorded is not None:
+        _recorded.append((fn, args))
+    return result
+
+
+@contextmanager
+def recording() -> Iterator[list[tuple[ctypes._CFuncPtr, tuple]]]:
+    """Note every `call` made inside, in order, as (function, arguments)."""
+    global _recorded
+    if _recorded is not None:
+        raise RuntimeError("a recording is already active")
+    _recorded = calls = []
+    try:
+        yield calls
+    finally:
+        _recorded = None

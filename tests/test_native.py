@@ -44,3 +44,18 @@ def test_a_failing_compiler_is_a_build_error(cache, monkeypatch):
     monkeypatch.setenv("CC", "false")
     with pytest.raises(native.BuildError):
         native.load_library("fused_ops")
+
+
+def test_a_recording_notes_every_call_in_order():
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    assert native.call(libc.abs, -3) == 3  # outside a recording: just the call
+    with native.recording() as calls:
+        native.call(libc.abs, -4)
+        native.call(libc.labs, 5)
+        with pytest.raises(RuntimeError):
+            with native.recording():
+                pass
+    native.call(libc.abs, -6)
+    assert [(fn.__name__, args) for fn, args in calls] == [("abs", (-4,)), ("labs", (5,))]

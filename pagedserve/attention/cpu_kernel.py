@@ -42,7 +42,7 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = lib.paged_decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+    fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                            ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     fn = lib.paged_prefill_attention
@@ -88,8 +88,9 @@ def decode_attention(
     """Write into out[token_indices] the attention of q[token_indices] (one token per request)
     over each request's first seq_lens[r] cached positions, read through block_tables[r].
 
-    q, out: [num_tokens, num_heads, head_dim] contiguous, both float32 or both bfloat16 (the kernel
-    computes in float32: it widens bfloat16 queries and rounds outputs once); k_cache, v_cache:
+    q, out: [num_tokens, num_heads, head_dim], both float32 or both bfloat16 (the kernel computes
+    in float32: it widens bfloat16 queries and rounds outputs once); out contiguous, q's heads
+    contiguous within a token (tokens may lie further apart: a view of the fused qkv output); k_cache, v_cache:
     [num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or fp8 (read times
     kv_scales[0] and kv_scales[1]); token_indices, seq_lens: [n] int64; block_tables:
     [n, >= max blocks] int64. Requires `load()` to have returned a library.
@@ -97,17 +98,17 @@ def decode_attention(
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     n, num_heads = token_indices.shape[0], q.shape[1]
-    for t in (q, out, k_cache, v_cache, token_indices, block_tables, seq_lens):
+    for t in (q[0:1], out, k_cache, v_cache, token_indices, block_tables, seq_lens):
         assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
     assert q.dtype == out.dtype, "q and out share one dtype"
     bf16 = q.dtype == torch.bfloat16
     fp8 = k_cache.dtype == FP8_DTYPE
     k_scale, v_scale = kv_scales.tolist() if fp8 and kv_scales is not None else (1.0, 1.0)
     kv_format = KV_FORMATS[k_cache.dtype]
-    status = lib.paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+    status = native.call(
+        lib.paged_decode_attention, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         token_indices.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        n, block_tables.shape[1], block_size, num_heads, num_kv_heads, head_dim,
+        n, q.stride(0), block_tables.shape[1], block_size, num_heads, num_kv_heads, head_dim,
         scale, sliding_window or 0, torch.get_num_threads(), kv_format, k_scale, v_scale, int(bf16),
     )
     if status != 0:
@@ -141,7 +142,7 @@ def prefill_attention(
         assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
     fp8 = k_cache.dtype == FP8_DTYPE
     k_scale, v_scale = kv_scales.tolist() if fp8 and kv_scales is not None else (1.0, 1.0)
-    status = lib.paged_prefill_attention(
+    status = native.call(lib.paged_prefill_attention,
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), q_starts.data_ptr(),
         num_new.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         q_starts.shape[0], block_tables.shape[1], block_size, q.shape[1], num_kv_heads, head_dim,

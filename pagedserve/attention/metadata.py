@@ -167,3 +167,23 @@ class BatchedDecodeMetadata(AttentionMetadata):
             num_decodes=len(decodes),
             prefill_req_indices=[i for i, n in enumerate(step.num_new_tokens) if n > 1],
         )
+
+
+def static_decode_fields(slot_mapping: Tensor, positions: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                         block_size: int) -> dict[str, Any]:
+    """`BatchedDecodeMetadata`'s fields over the given tensors for a step of len(seq_lens) one-token
+    requests: a graph's static buffers (CUDA graphs, CPU recordings), refilled before each replay.
+    The kernels that replay read the step's lengths and tables from those tensors only, never from
+    the host-side values, which are therefore upper bounds (whole tables) that hold for every replay."""
+    size = seq_lens.shape[0]
+    device = seq_lens.device
+    tokens = torch.arange(size, device=device)
+    full_len = block_tables.shape[1] * block_size
+    return dict(
+        slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
+        query_start_loc=torch.arange(size + 1, device=device), positions=positions, logits_indices=tokens,
+        block_size=block_size, seq_lens_cpu=[full_len] * size, query_start_loc_cpu=list(range(size + 1)),
+        max_query_len=1, max_seq_len=full_len,
+        decode_token_indices=tokens, decode_block_tables=block_tables, decode_seq_lens=seq_lens, num_decodes=size,
+        prefill_req_indices=[],
+    )

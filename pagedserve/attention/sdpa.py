@@ -31,7 +31,7 @@ from torch import Tensor
 
 from pagedserve.attention import cpu_kernel
 from pagedserve.attention.kv_cache import gather_blocks, store_kv, unit_scales
-from pagedserve.attention.metadata import BatchedDecodeMetadata
+from pagedserve.attention.metadata import BatchedDecodeMetadata, static_decode_fields
 from pagedserve.kv.sizes import cdiv
 
 # A decode group ends where a request's context falls below DECODE_GROUP_RATIO of the group's
@@ -128,8 +128,9 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
 
     if md.num_decodes and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
-        cpu_kernel.decode_attention(q.contiguous(), k_cache, v_cache, out, md.decode_token_indices,
-                                    md.decode_block_tables, md.decode_seq_lens, scale, sliding_window, kv_scales)
+        dq = q if q[0:1].is_contiguous() else q.contiguous()  # the kernel reads heads contiguous within a token
+        cpu_kernel.decode_attention(dq, k_cache, v_cache, out, md.decode_token_indices, md.decode_block_tables,
+                                    md.decode_seq_lens, scale, sliding_window, kv_scales)
     elif md.num_decodes:
         _decode_in_groups(q, k_blocks, v_blocks, kv_scales, out, md, num_kv_heads, scale, sliding_window)
 
@@ -221,3 +222,9 @@ class SdpaBackend:
     def build_metadata(self, block_tables: list[list[int]] | Tensor, num_computed_tokens: list[int],
                        num_new_tokens: list[int], block_size: int, device: torch.device | str = "cpu") -> SdpaMetadata:
         return SdpaMetadata.build(block_tables, num_computed_tokens, num_new_tokens, block_size, device, backend=self)
+
+    def static_decode_metadata(self, slot_mapping: Tensor, positions: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                               block_size: int) -> SdpaMetadata:
+        """Metadata over a CPU recording's static buffers (`metadata.static_decode_fields`)."""
+        return SdpaMetadata(**static_decode_fields(slot_mapping, positions, block_tables, seq_lens, block_size),
+                            backend=self)

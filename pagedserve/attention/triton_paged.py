@@ -37,7 +37,7 @@ from torch import Tensor
 
 from pagedserve.attention.kv_cache import unit_scales
 from pagedserve.attention.kv_quant import FP8_MAX, is_fp8
-from pagedserve.attention.metadata import BatchedDecodeMetadata, HostStep
+from pagedserve.attention.metadata import BatchedDecodeMetadata, HostStep, static_decode_fields
 
 BLOCK_M = 16  # new tokens per prefill program
 # Decode splits a request's context into parts of PARTITION_TOKENS when fewer than
@@ -341,19 +341,6 @@ class TritonBackend:
 
     def static_decode_metadata(self, slot_mapping: Tensor, positions: Tensor, block_tables: Tensor, seq_lens: Tensor,
                                block_size: int) -> TritonMetadata:
-        """Metadata over the given tensors for a step of len(seq_lens) one-token requests: a CUDA
-        graph's static buffers, refilled before each replay. The kernels read the step's lengths
-        and tables from those tensors only, never from the host-side values, which are therefore
-        upper bounds (whole tables) that hold for every replay."""
-        size = seq_lens.shape[0]
-        device = seq_lens.device
-        tokens = torch.arange(size, device=device)
-        full_len = block_tables.shape[1] * block_size
-        return TritonMetadata(
-            slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
-            query_start_loc=torch.arange(size + 1, device=device), positions=positions, logits_indices=tokens,
-            block_size=block_size, seq_lens_cpu=[full_len] * size, query_start_loc_cpu=list(range(size + 1)),
-            max_query_len=1, max_seq_len=full_len, backend=self,
-            decode_token_indices=tokens, decode_block_tables=block_tables, decode_seq_lens=seq_lens, num_decodes=size,
-            prefill_req_indices=[], prefill_req_ids=torch.empty(0, dtype=torch.int64, device=device),
-        )
+        """Metadata over a CUDA graph's static buffers (`metadata.static_decode_fields`)."""
+        return TritonMetadata(**static_decode_fields(slot_mapping, positions, block_tables, seq_lens, block_size),
+                              prefill_req_ids=torch.empty(0, dtype=torch.int64, device=seq_lens.device), backend=self)

@@ -160,3 +160,37 @@ void rotary(void *x, const void *cos, const void *sin, int64_t n, int64_t row_st
             rotary_row(x, cos, sin, t, row_stride, heads, head_dim, 0);
     }
 }
+
+/* Row copies, byte for byte: out[i] = src[rows[i]] (an embedding lookup, the rotary table's rows
+ * of the step's positions), and dst[rows[i]] = src[i] with src's rows `src_stride` bytes apart
+ * (a step's K or V rows, views of the fused qkv output, into their cache slots). Each returns -1,
+ * copying nothing, if a row index lies outside [0, src_rows) or [0, dst_rows); else 0. */
+static int rows_outside(const int64_t *rows, int64_t n, int64_t limit)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= limit)
+            return 1;
+    return 0;
+}
+
+int gather_rows(const void *src, int64_t src_rows, const int64_t *rows, void *out, int64_t n, int64_t row_bytes,
+                int num_threads)
+{
+    if (rows_outside(rows, n, src_rows))
+        return -1;
+#pragma omp parallel for num_threads(num_threads) if (n * row_bytes >= 4 * PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++)
+        memcpy((char *)out + i * row_bytes, (const char *)src + rows[i] * row_bytes, row_bytes);
+    return 0;
+}
+
+int scatter_rows(const void *src, int64_t src_stride, const int64_t *rows, void *dst, int64_t dst_rows, int64_t n,
+                 int64_t row_bytes, int num_threads)
+{
+    if (rows_outside(rows, n, dst_rows))
+        return -1;
+#pragma omp parallel for num_threads(num_threads) if (n * row_bytes >= 4 * PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++)
+        memcpy((char *)dst + rows[i] * row_bytes, (const char *)src + i * src_stride, row_bytes);
+    return 0;
+}

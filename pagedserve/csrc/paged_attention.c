@@ -249,11 +249,13 @@ static inline __attribute__((always_inline)) void attend_request(
 }
 
 /* format: KV_F32, KV_BF16, or KV_FP8 (e4m3 bytes, to be multiplied by k_scale and v_scale; else 1).
- * bf16_io: q and out are bfloat16 (q widened on entry, exactly; out rounded once), else float32. */
+ * bf16_io: q and out are bfloat16 (q widened on entry, exactly; out rounded once), else float32.
+ * Token t's query heads start at element t * q_stride of q (q_stride = heads * head_dim when q is
+ * contiguous; larger for a view of the fused qkv output); its output at t * heads * head_dim. */
 int paged_decode_attention(
     const void *q, const void *k_cache, const void *v_cache, void *out,
     const int64_t *token_indices, const int64_t *block_tables, const int64_t *seq_lens,
-    int64_t n, int64_t table_stride, int64_t block_size,
+    int64_t n, int64_t q_stride, int64_t table_stride, int64_t block_size,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale, int bf16_io)
 {
@@ -281,10 +283,10 @@ int paged_decode_attention(
             const int64_t len = seq_lens[r], first = window > 0 && len > window ? len - window : 0;
             float *acc = scores + num_heads * max_len, *q32 = acc + num_heads * head_dim, *out32 = q32 + q_size;
             float *buf = out32 + q_size;
-            const float *qh = (const float *)q + token_indices[r] * q_size;
+            const float *qh = (const float *)q + token_indices[r] * q_stride;
             float *oh = (float *)out + token_indices[r] * q_size;
             if (bf16_io) {
-                const uint16_t *q16 = (const uint16_t *)q + token_indices[r] * q_size;
+                const uint16_t *q16 = (const uint16_t *)q + token_indices[r] * q_stride;
                 for (int64_t i = 0; i < q_size; i++)
                     q32[i] = bf16_to_float(q16[i]);
                 qh = q32, oh = out32;

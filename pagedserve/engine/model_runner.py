@@ -17,10 +17,12 @@ from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache, copy_block
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineConfig
 from pagedserve.engine.block_table_rows import BlockTableRows
+from pagedserve.engine.cpu_graphs import CpuDecodeGraph
 from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.kv import BlockCopy
 from pagedserve.kv.sizes import cdiv
+from pagedserve.models import cpu_linear
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.sharding import kv_heads_per_rank
 
@@ -64,7 +66,7 @@ class ModelRunner:
         # Chosen once; it builds each step's metadata, and the model's attention layers run it.
         self.attention_backend = get_backend(config.attention_backend)
         self.block_table_rows = BlockTableRows(self.block_size)
-        self.decode_graphs: DecodeGraphs | None = None
+        self.decode_graphs: DecodeGraphs | CpuDecodeGraph | None = None
         # calculate_kv_scales (EngineConfig allows it with fp8 only): the first real step sets every layer's scales.
         self.calibrate_kv_scales = config.calculate_kv_scales
 
@@ -108,7 +110,14 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_model_len: int, capture: bool | None = None) -> None:
         """Capture decode graphs when they apply: CUDA, the Triton backend, not enforce_eager.
-        capture=False builds the padded buffers and runs them eagerly (tests)."""
+        capture=False builds the padded buffers and runs them eagerly (tests). On CPU, record the
+        decode forward for replay in C instead (`cpu_graphs`), where it can be recorded."""
+        if self.device.type == "cpu" and capture is None:
+            if not self.config.enforce_eager and self.config.tensor_parallel_size == 1:
+                self.decode_graphs = CpuDecodeGraph.build(
+                    self.model, self.kv_caches, min(self.config.max_num_seqs, cpu_linear.MAX_ROWS),
+                    cdiv(max_model_len, self.block_size), self.block_size, self.attention_backend)
+            return
         if capture is None:
             capture = (self.device.type == "cuda" and self.config.attention_backend == "triton"
                        and not self.config.enforce_eager)

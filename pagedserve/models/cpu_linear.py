@@ -65,6 +65,7 @@ def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
     x, bias = x.contiguous(), None if bias is None else bias.contiguous()  # held: the kernel reads them
     k = x.shape[-1]
     y = x.new_empty((*x.shape[:-1], out_features))
-    load().linear(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                  y.data_ptr(), out_features, _DTYPES[x.dtype], torch.get_num_threads())
+    native.call(load().linear, x.data_ptr(), x.numel() // k, k, packed.data_ptr(),
+                None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, _DTYPES[x.dtype],
+                torch.get_num_threads())
     return y

@@ -70,6 +70,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._tables: dict[tuple, tuple[Tensor, Tensor]] = {}
         self.build()
 
     def build(self, device: torch.device | str | None = None) -> None:
@@ -78,10 +79,22 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         freqs = torch.arange(self.max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq
         self.cos, self.sin = freqs.cos(), freqs.sin()
+        self._tables = {}
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [num_tokens, head_dim // 2] for these positions, in the model dtype."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        cos, sin = self.tables(dtype)
+        if fused_cpu.available(cos) and positions.dtype == torch.int64 and positions.is_contiguous():
+            return fused_cpu.gather_rows(cos, positions), fused_cpu.gather_rows(sin, positions)
+        return cos[positions], sin[positions]
+
+    def tables(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The whole cos and sin tables rounded to `dtype` (the same values as rounding the rows a
+        step gathers), made on first use."""
+        key = (dtype, self.cos.data_ptr())
+        if key not in self._tables:
+            self._tables[key] = (self.cos.to(dtype), self.sin.to(dtype))
+        return self._tables[key]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -183,6 +196,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp.size == 1:
+            if fused_cpu.available(self.weight) and ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous():
+                return fused_cpu.gather_rows(self.weight, ids)  # one C call (csrc/fused_ops.c)
             return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])

@@ -117,6 +117,18 @@ def test_only_the_decode_rows_are_written(dtype):
     assert out[:3].isnan().all() and not out[3:].isnan().any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_may_be_a_view_of_the_fused_qkv_output(dtype):
+    q, k_cache, v_cache, md = decode_case([40, 3, 77], 16, 3, 9, 64)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    qkv = torch.randn(3, 9 * 64 + 2 * 3 * 64).to(dtype)
+    qkv[:, : 9 * 64] = q.flatten(1)
+    view = qkv[:, : 9 * 64].view(3, 9, 64)  # tokens 960 elements apart
+    assert not view.is_contiguous()
+    expected = run_kernel(q, k_cache, v_cache, md, 0.125, None)
+    assert torch.equal(run_kernel(view, k_cache, v_cache, md, 0.125, None), expected)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_bfloat16_queries_are_widened_and_outputs_rounded_as_torch_does(cache_dtype):
     """bfloat16 q and out go into the kernel as they are: the result is the float32 computation on

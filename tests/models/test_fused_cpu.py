@@ -100,3 +100,36 @@ def test_a_model_with_and_without_the_fused_ops(which, embedded_model, tiny_chec
     unfused = logits()
     torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4)
     assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 9, 600])  # 600 rows of 2 KiB: past the threading threshold
+def test_row_gathers_and_scatters_copy_as_indexing_does(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    table = torch.randn(1000, 512, generator=gen).to(dtype)
+    picks = torch.randint(1000, (rows,), generator=gen)
+    assert torch.equal(fused_cpu.gather_rows(table, picks), table[picks])
+    # Scatter from strided rows (K of a fused qkv output) into distinct slots.
+    qkv = torch.randn(rows, 3, 4, 64, generator=gen).to(dtype)
+    slots = torch.randperm(1000, generator=gen)[:rows]
+    cache, expected = torch.zeros(1000, 4, 64, dtype=dtype), torch.zeros(1000, 4, 64, dtype=dtype)
+    fused_cpu.scatter_rows_(cache, slots, qkv[:, 1])
+    expected[slots] = qkv[:, 1]
+    assert torch.equal(cache, expected)
+
+
+def test_row_indices_outside_the_table_are_an_index_error_and_write_nothing():
+    table, cache = torch.randn(10, 8), torch.zeros(10, 8)
+    with pytest.raises(IndexError):
+        fused_cpu.gather_rows(table, torch.tensor([3, 10]))
+    with pytest.raises(IndexError):
+        fused_cpu.gather_rows(table, torch.tensor([-1]))
+    with pytest.raises(IndexError):
+        fused_cpu.scatter_rows_(cache, torch.tensor([2, 11]), torch.ones(2, 8))
+    assert not cache.any()
+
+
+def test_an_embedding_lookup_of_a_token_outside_the_vocabulary_is_an_index_error(embedded_model):
+    model, config = embedded_model
+    with pytest.raises(IndexError):
+        model.model.embed_tokens(torch.tensor([5, config.vocab_size]))
