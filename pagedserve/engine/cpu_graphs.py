@@ -22,6 +22,7 @@ the same values.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 from collections.abc import Callable
@@ -93,7 +94,7 @@ class CpuDecodeGraph:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], size: int, max_blocks: int,
                  block_size: int, backend) -> None:
-        self.size = size
+        self.model, self.kv_caches, self.size, self.block_size, self.backend = model, kv_caches, size, block_size, backend
         self.input_ids = torch.zeros(size, dtype=torch.int64)
         self.positions = torch.zeros(size, dtype=torch.int64)
         self.slot_mapping = torch.zeros(size, dtype=torch.int64)
@@ -105,8 +106,7 @@ class CpuDecodeGraph:
         # Recording runs the forward, which writes K/V into slot 0: block 0's contents are put back.
         saved = [(c.k[0].clone(), c.v[0].clone()) for c in kv_caches]
         try:
-            self.calls, self.output, self.arena, self.intermediate_bytes = record(
-                lambda: model(self.input_ids, self.positions, kv_caches, self.md), size)
+            self.calls, self.output, self.arena, self.intermediate_bytes = record(self._forward, size)
         finally:
             for c, (k, v) in zip(kv_caches, saved):
                 c.k[0], c.v[0] = k, v
@@ -114,6 +114,13 @@ class CpuDecodeGraph:
         # (its copies remade on the eager path) ends the replays.
         self.params = list(model.parameters())
         self.weights = self._weights()
+
+    def _forward(self, rows: int) -> Tensor:
+        """The eager forward of the first `rows` requests of the static buffers."""
+        md = self.md if rows == self.size else self.backend.static_decode_metadata(
+            self.slot_mapping[:rows], self.positions[:rows], self.block_tables[:rows], self.seq_lens[:rows],
+            self.block_size)
+        return self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, md)
 
     def _weights(self) -> list[tuple[int, int]]:
         return [(p.data_ptr(), p._version) for p in self.params]
@@ -149,15 +156,15 @@ class CpuDecodeGraph:
         return self.output[:n]
 
 
-def record(forward: Callable[[], Tensor], size: int) -> tuple[ctypes.Array, Tensor, Tensor, int]:
-    """Record `forward` (over `size` rows): (the calls, re-pointed into one arena; its output, a
+def record(forward: Callable[[int], Tensor], size: int) -> tuple[ctypes.Array, Tensor, Tensor, int]:
+    """Record `forward(size)` (the forward over `size` rows): (the calls, re-pointed into one arena; its output, a
     view of the arena; the arena, which must live as long as the calls; the bytes the forward's
     intermediates took before they shared it). NotRecordable if a replay could not reproduce it."""
     with torch.inference_mode():
-        forward()  # once eagerly first: weights are packed and libraries loaded on first use
+        forward(1)  # one row eagerly first: weights are packed and libraries loaded on first use
         watch = _Watch()
         with watch, native.recording() as noted:
-            out = forward()
+            out = forward(size)
     calls = []
     for fn, args in noted:
         if fn.__name__ not in KINDS:
@@ -184,32 +191,35 @@ def _plan(allocations: list[Tensor], calls: list, out: Tensor) -> tuple[Tensor, 
     """Place the forward's intermediates in one arena: each at the lowest offset free of those
     whose lives (first to last call that points into them) overlap its own; the output lives to
     the end. Returns the arena and the map from a recorded address to its place there."""
-    spans = []  # (start address, bytes, first call, last call)
-    for t in allocations:
-        start, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        uses = [i for i, (*_, ints, _, pointers) in enumerate(calls)
-                if any(p and start <= v < start + nbytes for v, p in zip(ints, pointers))]
-        if start <= out.data_ptr() < start + nbytes:
-            uses.append(len(calls))
-        if uses:
-            spans.append((start, nbytes, min(uses), max(uses)))
+    storages = sorted({(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in allocations})
+    starts = [start for start, _ in storages]
+
+    def owner(address: int) -> int | None:
+        """The index of the allocation that holds `address`, if one does."""
+        i = bisect.bisect_right(starts, address) - 1
+        return i if i >= 0 and address < starts[i] + storages[i][1] else None
+
+    lives: dict[int, list[int]] = {}  # allocation -> [first call, last call] that points into it
+    for c, (*_, ints, _, pointers) in enumerate(calls):
+        for v, is_pointer in zip(ints, pointers):
+            if is_pointer and (i := owner(v)) is not None:
+                lives.setdefault(i, [c, c])[1] = c
+    if (i := owner(out.data_ptr())) is not None:
+        lives.setdefault(i, [len(calls), len(calls)])[1] = len(calls)
     placed: list[tuple[int, int, int, int]] = []  # (offset, bytes, first, last)
-    offsets = {}
-    for start, nbytes, first, last in sorted(spans, key=lambda s: (s[2], -s[1])):
-        offset, nbytes = 0, -(-nbytes // ALIGN) * ALIGN
-        for o, b, f, l in sorted(p for p in placed if p[2] <= last and first <= p[3]):
+    offsets: dict[int, int] = {}
+    for i, (first, last) in sorted(lives.items(), key=lambda kv: (kv[1][0], -storages[kv[0]][1])):
+        offset, nbytes = 0, -(-storages[i][1] // ALIGN) * ALIGN
+        for o, b, _, _ in sorted(p for p in placed if p[2] <= last and first <= p[3]):
             if offset + nbytes <= o:
                 break
             offset = max(offset, o + b)
         placed.append((offset, nbytes, first, last))
-        offsets[start] = (offset, nbytes)  # the end rounded up: no other allocation starts before it
+        offsets[i] = offset
     arena = torch.empty(max((o + b for o, b, *_ in placed), default=0), dtype=torch.uint8)
-    base = arena.data_ptr()
 
     def moved(address: int) -> int:
-        for start, (offset, nbytes) in offsets.items():
-            if start <= address < start + nbytes:
-                return base + offset + address - start
-        return address
+        i = owner(address)
+        return address if i not in offsets else arena.data_ptr() + offsets[i] + address - starts[i]
 
     return arena, moved
