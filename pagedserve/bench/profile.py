@@ -117,6 +117,8 @@ def _profile_steps(engine: LLMEngine, batch: int, steps: int, torch_profile: boo
     timers.wrap(engine.scheduler, "schedule", "schedule")
     timers.wrap(executor, "execute", "execute")
     timers.wrap(model, "forward", "forward")
+    if engine.runner.decode_graphs is not None:  # decode steps replay the forward instead of calling it
+        timers.wrap(engine.runner.decode_graphs, "run", "forward")
     timers.wrap(model, "compute_logits", "logits")
     if model.tp.size > 1:
         timers.wrap(model.tp, "all_reduce", "collectives")

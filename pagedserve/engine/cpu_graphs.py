@@ -165,6 +165,8 @@ def record(forward: Callable[[int], Tensor], size: int) -> tuple[ctypes.Array, T
         watch = _Watch()
         with watch, native.recording() as noted:
             out = forward(size)
+    if not noted:
+        raise NotRecordable("the forward calls no kernel")
     calls = []
     for fn, args in noted:
         if fn.__name__ not in KINDS:
@@ -204,8 +206,9 @@ def _plan(allocations: list[Tensor], calls: list, out: Tensor) -> tuple[Tensor, 
         for v, is_pointer in zip(ints, pointers):
             if is_pointer and (i := owner(v)) is not None:
                 lives.setdefault(i, [c, c])[1] = c
-    if (i := owner(out.data_ptr())) is not None:
-        lives.setdefault(i, [len(calls), len(calls)])[1] = len(calls)
+    if (i := owner(out.data_ptr())) not in lives:
+        raise NotRecordable("the forward's output is not written by its kernels")
+    lives[i][1] = len(calls)
     placed: list[tuple[int, int, int, int]] = []  # (offset, bytes, first, last)
     offsets: dict[int, int] = {}
     for i, (first, last) in sorted(lives.items(), key=lambda kv: (kv[1][0], -storages[kv[0]][1])):
