@@ -90,8 +90,8 @@ def decode_attention(
 
     q, out: [num_tokens, num_heads, head_dim], both float32 or both bfloat16 (the kernel computes
     in float32: it widens bfloat16 queries and rounds outputs once); out contiguous, q's heads
-    contiguous within a token (tokens may lie further apart: a view of the fused qkv output); k_cache, v_cache:
-    [num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or fp8 (read times
+    contiguous within a token (tokens may lie further apart: a view of the fused qkv output);
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or fp8 (read times
     kv_scales[0] and kv_scales[1]); token_indices, seq_lens: [n] int64; block_tables:
     [n, >= max blocks] int64. Requires `load()` to have returned a library.
     """
@@ -142,9 +142,9 @@ def prefill_attention(
         assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
     fp8 = k_cache.dtype == FP8_DTYPE
     k_scale, v_scale = kv_scales.tolist() if fp8 and kv_scales is not None else (1.0, 1.0)
-    status = native.call(lib.paged_prefill_attention,
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), q_starts.data_ptr(),
-        num_new.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+    status = native.call(
+        lib.paged_prefill_attention, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        q_starts.data_ptr(), num_new.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         q_starts.shape[0], block_tables.shape[1], block_size, q.shape[1], num_kv_heads, head_dim,
         scale, sliding_window or 0, torch.get_num_threads(), KV_FORMATS[k_cache.dtype], k_scale, v_scale,
         int(q.dtype == torch.bfloat16),

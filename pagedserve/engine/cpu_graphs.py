@@ -1,9 +1,10 @@
 """Decode steps on CPU, replayed in C from a recording of their kernel calls.
 
 At a few rows, a decode step of a small model on CPU spends as long between its kernels as in
-them: the eager forward makes ~420 calls from Python (modules, torch's dispatcher, ctypes), each a
-few microseconds, around kernels that are as short. On the 2-core test machine a one-request step of
-the embedded model took 8.4 ms eagerly, ~3.5 ms of it in Python. As a CUDA graph does
+them: the eager forward of the embedded model makes 364 kernel calls through ctypes, each behind
+module calls and torch's dispatcher, a few microseconds apiece, around kernels that are as short.
+On the 2-core test machine a one-request step took 8.4 ms eagerly, ~3.5 ms of it in Python
+(docs/benchmarks.md, "Decode steps replayed in C"). As a CUDA graph does
 (engine/cuda_graphs.py), a recording replays one forward's kernels with fixed addresses:
 - the forward is run once on static buffers with every C kernel call noted (`native.recording`)
   and every torch operator watched: outside the kernels only allocations and views may run, since
@@ -94,7 +95,8 @@ class CpuDecodeGraph:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], size: int, max_blocks: int,
                  block_size: int, backend) -> None:
-        self.model, self.kv_caches, self.size, self.block_size, self.backend = model, kv_caches, size, block_size, backend
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.size, self.block_size = size, block_size
         self.input_ids = torch.zeros(size, dtype=torch.int64)
         self.positions = torch.zeros(size, dtype=torch.int64)
         self.slot_mapping = torch.zeros(size, dtype=torch.int64)
@@ -150,16 +152,17 @@ class CpuDecodeGraph:
         self.seq_lens[:n] = md.seq_lens
         failed = load().replay(ctypes.addressof(self.calls), len(self.calls), n)
         if failed:
-            name = self.calls[failed - 1].kind
-            raise RuntimeError(f"replayed decode step: kernel call {failed - 1} (kind {name}) failed: a row index "
-                               "out of range, or no memory for the attention kernel's scratch space")
+            kind = next(name for name, (k, _) in KINDS.items() if k == self.calls[failed - 1].kind)
+            raise RuntimeError(f"replayed decode step: call {failed - 1} ({kind}) failed: a row index out of "
+                               "range, or no memory for the attention kernel's scratch space")
         return self.output[:n]
 
 
 def record(forward: Callable[[int], Tensor], size: int) -> tuple[ctypes.Array, Tensor, Tensor, int]:
-    """Record `forward(size)` (the forward over `size` rows): (the calls, re-pointed into one arena; its output, a
-    view of the arena; the arena, which must live as long as the calls; the bytes the forward's
-    intermediates took before they shared it). NotRecordable if a replay could not reproduce it."""
+    """Record `forward(size)`, the forward over `size` rows: (the calls, re-pointed into one arena;
+    its output, a view of the arena; the arena, which must live as long as the calls; the bytes the
+    forward's intermediates took before they shared it). NotRecordable if a replay could not
+    reproduce it."""
     with torch.inference_mode():
         forward(1)  # one row eagerly first: weights are packed and libraries loaded on first use
         watch = _Watch()
