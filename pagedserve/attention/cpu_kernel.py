@@ -89,8 +89,9 @@ def decode_attention(
     over each request's first seq_lens[r] cached positions, read through block_tables[r].
 
     q, out: [num_tokens, num_heads, head_dim], both float32 or both bfloat16 (the kernel computes
-    in float32: it widens bfloat16 queries and rounds outputs once); out contiguous, q's heads
-    contiguous within a token (tokens may lie further apart: a view of the fused qkv output);
+    in float32: it widens bfloat16 queries and rounds outputs once); out contiguous; q is read in
+    place when its heads are contiguous within a token (tokens may lie further apart: a view of
+    the fused qkv output), else from a contiguous copy;
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or fp8 (read times
     kv_scales[0] and kv_scales[1]); token_indices, seq_lens: [n] int64; block_tables:
     [n, >= max blocks] int64. Requires `load()` to have returned a library.
@@ -98,6 +99,8 @@ def decode_attention(
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     n, num_heads = token_indices.shape[0], q.shape[1]
+    if not q[0:1].is_contiguous():  # heads apart within a token: the kernel cannot stride them
+        q = q.contiguous()
     for t in (q[0:1], out, k_cache, v_cache, token_indices, block_tables, seq_lens):
         assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
     assert q.dtype == out.dtype, "q and out share one dtype"

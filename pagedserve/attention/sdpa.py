@@ -128,8 +128,7 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
 
     if md.num_decodes and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
-        dq = q if q[0:1].is_contiguous() else q.contiguous()  # the kernel reads heads contiguous within a token
-        cpu_kernel.decode_attention(dq, k_cache, v_cache, out, md.decode_token_indices, md.decode_block_tables,
+        cpu_kernel.decode_attention(q, k_cache, v_cache, out, md.decode_token_indices, md.decode_block_tables,
                                     md.decode_seq_lens, scale, sliding_window, kv_scales)
     elif md.num_decodes:
         _decode_in_groups(q, k_blocks, v_blocks, kv_scales, out, md, num_kv_heads, scale, sliding_window)

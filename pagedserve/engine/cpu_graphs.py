@@ -3,8 +3,8 @@
 At a few rows, a decode step of a small model on CPU spends as long between its kernels as in
 them: the eager forward of the embedded model makes 364 kernel calls through ctypes, each behind
 module calls and torch's dispatcher, a few microseconds apiece, around kernels that are as short.
-On the 2-core test machine a one-request step took 8.4 ms eagerly, ~3.5 ms of it in Python
-(docs/benchmarks.md, "Decode steps replayed in C"). As a CUDA graph does
+On the 2-core test machine a replayed step took 3.5-4.3 ms less than an eager one at 1 to 8
+requests (docs/benchmarks.md, "Decode steps replayed in C"). As a CUDA graph does
 (engine/cuda_graphs.py), a recording replays one forward's kernels with fixed addresses:
 - the forward is run once on static buffers with every C kernel call noted (`native.recording`)
   and every torch operator watched: outside the kernels only allocations and views may run, since
