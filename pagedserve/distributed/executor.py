@@ -15,6 +15,7 @@ and the engine fails every request (it does not try to contain such a fault).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import socket
@@ -58,6 +59,7 @@ class TensorParallelExecutor:
         self.broadcast_seconds = 0.0  # time spent sending steps to the workers (bench profile)
         self.num_steps = 0
         self._failed: str | None = None
+        self._timeout = datetime.timedelta(seconds=config.distributed_timeout)
         self._processes: list[mp.Process] = []
         self._parent_ends: list = []
         self._threads_before = torch.get_num_threads()
@@ -136,7 +138,7 @@ class TensorParallelExecutor:
             start = time.perf_counter()
             head, payload = protocol.pack_step(inputs)
             self._command(head)
-            dist.broadcast(payload, src=0, group=self.control)
+            self._broadcast(payload)
             self.broadcast_seconds += time.perf_counter() - start
             self.num_steps += 1
             return self.runner.run(inputs)
@@ -166,7 +168,17 @@ class TensorParallelExecutor:
     # ---- faults --------------------------------------------------------------------------
 
     def _command(self, head: torch.Tensor) -> None:
-        dist.broadcast(head, src=0, group=self.control)
+        self._broadcast(head)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast from this rank within the group's timeout. gloo bounds a wait to receive but
+        not a send: a frozen worker that stops reading left a plain broadcast blocked for good
+        once its socket's buffer was full (seen in tests/distributed/test_faults.py)."""
+        work = dist.broadcast(tensor, src=0, group=self.control, async_op=True)
+        try:
+            work.wait(self._timeout)
+        except RuntimeError as error:
+            raise dist.DistError(f"Timed out or failed broadcasting to the workers ({error})") from error
 
     @contextlib.contextmanager
     def _collectives(self) -> Iterator[None]:
