@@ -5,8 +5,10 @@ Requests of a seeded workload (token-id prompts, fixed output lengths) are sent 
 For each request the client records time to first token (TTFT), the gaps between streamed
 chunks (inter-token latency, ITL), time per output token after the first (TPOT) and end-to-end
 latency; the report gives p50/p90/p99 of each and request and token throughput. Several servers
-(`--url NAME=URL ...`, or servers the bench starts itself: `--systems`, bench/servers.py) are
-measured one after another on the same workload and arrival times, and compared rate by rate.
+(`--url NAME=URL ...`, or servers the bench starts itself: `--systems`, bench/servers.py) take
+turns on the same workload and arrival times, and are compared rate by rate. With `--rounds N`
+every rate is measured N times, each round on new prompts, and the tables give the medians: on a
+small shared machine one run of one system is not enough to tell 10% apart.
 """
 
 from __future__ import annotations
@@ -69,6 +71,31 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
     except httpx.HTTPError as e:
         record.error = repr(e)
     return record
+
+
+def wait_until_idle(threshold: float = 0.05, window_s: float = 0.5, timeout_s: float = 30.0) -> float:
+    """Wait until the machine's CPUs were busy less than `threshold` of a `window_s` window, at most
+    `timeout_s`; return the seconds waited. A server that has just answered may keep a core busy:
+    vLLM's CPU worker polls for its next step for a few seconds after its last request (1 CPU-second
+    in the 3 s after one request, on the test machine), which would slow whichever system runs next."""
+    def busy_and_total() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)  # idle and iowait are not busy
+
+    start = time.monotonic()
+    try:
+        before = busy_and_total()
+    except OSError:  # not Linux: no way to look, so just give it a few seconds
+        time.sleep(min(5.0, timeout_s))
+        return time.monotonic() - start
+    while time.monotonic() - start < timeout_s:
+        time.sleep(window_s)
+        after = busy_and_total()
+        if after[1] > before[1] and (after[0] - before[0]) / (after[1] - before[1]) < threshold:
+            break
+        before = after
+    return time.monotonic() - start
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -147,9 +174,10 @@ def format_table(reports: list[dict]) -> str:
     systems = list(dict.fromkeys(r["system"] for r in reports))
     several = len(systems) > 1
     first = reports[0]
-    drawn = first["workload"] if len({r["workload"] for r in reports}) == 1 else (
-        f"{first['workload'].split(':')[0]}: {first['completed'] + first['failed']} requests per rate, "
-        "new prompts at each rate")
+    rounds = first.get("rounds", 1)
+    drawn = first["workload"] if len({r["workload"] for r in reports}) == 1 and rounds == 1 else (
+        f"{first['workload'].split(':')[0]}: {(first['completed'] + first['failed']) // rounds} requests per rate, "
+        "new prompts at each rate" + (f", medians of {rounds} rounds" if rounds > 1 else ""))
     title = f"{drawn} against " + (", ".join(systems) if several else
                                                first["url"] if systems[0] == first["url"] else f"{systems[0]} ({first['url']})")
     lines = [title, "", ("| system " if several else "") + "| request rate (req/s) | completed | req/s | output tok/s | "
@@ -165,14 +193,48 @@ def format_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_comparison(reports: list[dict], baseline: str) -> str:
+def median_reports(runs: list[dict]) -> list[dict]:
+    """One report per (system, rate): the run itself, or with several rounds the median of each
+    throughput and latency percentile over them (completed and failed summed)."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["system"], run["request_rate"]), []).append(run)
+    reports = []
+    for rs in groups.values():
+        report = {k: v for k, v in rs[0].items() if k != "round"} | {"rounds": len(rs)}
+        if len(rs) > 1:
+            report.update(
+                completed=sum(r["completed"] for r in rs), failed=sum(r["failed"] for r in rs),
+                errors=sorted({e for r in rs for e in r["errors"]})[:5],
+                **{k: statistics.median(r[k] for r in rs)
+                   for k in ("duration_s", "request_throughput", "output_throughput", "total_token_throughput")},
+                **{k: {q: statistics.median(r[k][q] for r in rs) for q in rs[0][k]}
+                   for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s")})
+        reports.append(report)
+    return reports
+
+
+def format_comparison(reports: list[dict], baseline: str, runs: list[dict] | None = None) -> str:
     """Rate by rate, the baseline's latency percentiles against each other system's, with the ratio
-    (below 1: the baseline is faster)."""
+    (below 1: the baseline is faster). Given the runs of several rounds, each cell also counts the
+    rounds in which the baseline was at least as good (latency no higher, throughput no lower)."""
     by_key = {(r["system"], r["request_rate"]): r for r in reports}
+    by_round = {(r["system"], r["request_rate"], r.get("round", 0)): r for r in runs or []}
+    rounds = sorted({r.get("round", 0) for r in runs or []})
     others = [s for s in dict.fromkeys(r["system"] for r in reports) if s != baseline]
-    lines = [f"{baseline} / other system, ms (ratio; below 1: {baseline} is faster)", "",
-             "| request rate (req/s) | vs | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | output tok/s |",
+    lines = [f"{baseline} / other system, ms (ratio; below 1: {baseline} is faster)"
+             + (f"; then the rounds, of {len(rounds)}, in which {baseline} was at least as good" if len(rounds) > 1 else ""),
+             "", "| request rate (req/s) | vs | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | output tok/s |",
              "|---:|---|---:|---:|---:|---:|---:|"]
+
+    def won(other, rate, key, q) -> str:
+        if len(rounds) < 2:
+            return ""
+        pairs = [(by_round.get((baseline, rate, n)), by_round.get((other, rate, n))) for n in rounds]
+        pairs = [(a, b) for a, b in pairs if a and b]
+        wins = sum((a[key] >= b[key]) if q is None else (a[key][q] <= b[key][q]) for a, b in pairs)
+        return f"; {wins}/{len(pairs)}"
+
     for rate in dict.fromkeys(r["request_rate"] for r in reports):
         ours = by_key.get((baseline, rate))
         for other in others:
@@ -182,9 +244,9 @@ def format_comparison(reports: list[dict], baseline: str) -> str:
             cells = []
             for key, q in (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99")):
                 a, b = ours[key][q], theirs[key][q]
-                cells.append(f"{a * 1e3:.0f} / {b * 1e3:.0f} ({a / b:.2f}x)" if b else "-")
+                cells.append(f"{a * 1e3:.0f} / {b * 1e3:.0f} ({a / b:.2f}x{won(other, rate, key, q)})" if b else "-")
             a, b = ours["output_throughput"], theirs["output_throughput"]
-            cells.append(f"{a:.0f} / {b:.0f} ({a / b:.2f}x)" if b else "-")
+            cells.append(f"{a:.0f} / {b:.0f} ({a / b:.2f}x{won(other, rate, 'output_throughput', None)})" if b else "-")
             lines.append(f"| {rate:g} | {other} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -354,13 +354,20 @@ def cmd_bench_overhead(args: argparse.Namespace) -> None:
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:
     import asyncio
+    import contextlib
 
     from pagedserve.bench.servers import launch
-    from pagedserve.bench.serving import format_comparison, format_report, format_table, plot, run_serving_bench, warm_up
+    from pagedserve.bench.serving import (
+        format_comparison, format_report, format_table, median_reports, plot, run_serving_bench, wait_until_idle,
+        warm_up)
     from pagedserve.bench.workload import sharegpt_like
 
-    # A fresh draw of prompts for each rate and for the warm-up: a prompt sent before would be
-    # served from the prefix cache.
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    rates = args.request_rate
+
+    # A fresh draw of prompts for each round and rate, and for the warm-up: a prompt sent before
+    # would be served from the prefix cache. Within a round every system gets the same prompts.
     def workload(seed: int, num_requests: int = args.num_requests):
         return sharegpt_like(num_requests=num_requests, seed=seed, output_len=(16, args.max_output_len))
 
@@ -368,35 +375,51 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
     systems = [s for s in (args.systems or "").split(",") if s]
     if not urls and not systems:
         urls = [("http://127.0.0.1:8000",) * 2]
-    reports, startups = [], {}
+    targets = [(name, url.rstrip("/")) for name, url in urls]  # and the servers of --systems, once started
+    runs, startups = [], {}
 
-    def measure(system: str, url: str) -> None:
-        url = url.rstrip("/")
+    def warm(url: str) -> None:
         if args.warmup_requests:
-            asyncio.run(warm_up(url, workload(args.seed + len(args.request_rate), args.warmup_requests),
+            asyncio.run(warm_up(url, workload(args.seed + args.rounds * len(rates), args.warmup_requests),
                                 args.model_name, args.api_key, args.warmup_requests))
-        for i, rate in enumerate(args.request_rate):
-            reports.append(asyncio.run(run_serving_bench(url, workload(args.seed + i), rate, args.model_name,
-                                                         seed=args.seed, api_key=args.api_key, system=system)))
-            print(format_report(reports[-1]) + "\n")
 
-    for name, url in urls:
-        measure(name, url)
-    for system in systems:  # one at a time, so that no two servers share the cores
-        print(f"starting {system} serve ...", file=sys.stderr)
-        with launch(system, args.model_name, args.dtype, args.vllm_python, args.hf_model_dir, args.api_key) as server:
+    def measure(system: str, url: str, round_: int, i: int, rate: float) -> None:
+        if len(targets) > 1:
+            wait_until_idle()  # the last system's server may still be busy
+        runs.append(asyncio.run(run_serving_bench(url, workload(args.seed + round_ * len(rates) + i), rate,
+                                                  args.model_name, seed=args.seed + round_, api_key=args.api_key,
+                                                  system=system)))
+        runs[-1]["round"] = round_
+        print(format_report(runs[-1]) + "\n")
+
+    with contextlib.ExitStack() as servers:
+        # Every server is started before any is measured, so that the systems take turns: the
+        # speed of this machine drifts by 10-20% over minutes, more than the differences measured.
+        # Before each run the bench waits for the CPUs to go quiet (`wait_until_idle`).
+        for system in systems:
+            print(f"starting {system} serve ...", file=sys.stderr)
+            server = servers.enter_context(
+                launch(system, args.model_name, args.dtype, args.vllm_python, args.hf_model_dir, args.api_key))
             startups[system] = server.startup_s
             print(f"{system} ready in {server.startup_s:.1f} s at {server.url} (log: {server.log_path})", file=sys.stderr)
-            measure(system, server.url)
+            targets.append((system, server.url))
+        for _, url in targets:
+            warm(url)
+        for round_ in range(args.rounds):
+            for i, rate in enumerate(rates):
+                turn = targets[round_ % len(targets):] + targets[:round_ % len(targets)]  # who goes first rotates
+                for name, url in turn:
+                    measure(name, url, round_, i, rate)
+    reports = median_reports(runs)
     table = format_table(reports)
     names = list(dict.fromkeys(r["system"] for r in reports))
     if len(names) > 1:
-        table += "\n\n" + format_comparison(reports, "pagedserve" if "pagedserve" in names else names[0])
+        table += "\n\n" + format_comparison(reports, "pagedserve" if "pagedserve" in names else names[0], runs)
     if startups:
         table += "\n\nServer start to /health ready: " + ", ".join(f"{k} {v:.1f} s" for k, v in startups.items())
     print(table)
     save_report(args.out_dir, "bench_serving", table, lambda png: plot(reports, png),
-                args.json, reports if len(reports) > 1 else reports[0])
+                args.json, runs if len(runs) > 1 else runs[0])
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
@@ -607,10 +630,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = bench.add_parser("serving", help="load generator against an OpenAI-compatible server")
     srv.add_argument("--url", nargs="+", default=None, metavar="[NAME=]URL",
-                     help="running servers to measure, one after another (default: http://127.0.0.1:8000 "
+                     help="running servers to measure, taking turns (default: http://127.0.0.1:8000 "
                      "unless --systems is given)")
-    srv.add_argument("--systems", default=None, help="servers the bench starts itself, one at a time, each on a free "
-                     "loopback port: a comma list of pagedserve, vllm")
+    srv.add_argument("--systems", default=None, help="servers the bench starts itself, each on a free loopback port: "
+                     "a comma list of pagedserve, vllm")
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for the servers of --systems")
     srv.add_argument("--vllm-python", default=None, help="a Python with vllm installed, for --systems vllm")
     srv.add_argument("--hf-model-dir", default=None, help="the model as an HF directory for vLLM (pagedserve export-hf)")
@@ -620,6 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests per second (inf: all at once); several rates give a latency-vs-rate table")
     srv.add_argument("--out-dir", default=None, help="write bench_serving.md and .png (latency vs rate) here")
     srv.add_argument("--num-requests", type=int, default=64)
+    srv.add_argument("--rounds", type=int, default=1,
+                     help="measure every rate this many times, the systems taking turns (new prompts each round); "
+                     "the tables give the median over rounds")
     srv.add_argument("--max-output-len", type=int, default=256)
     srv.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="the model name the server serves")
     srv.add_argument("--api-key", default=None)

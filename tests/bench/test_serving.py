@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
 from server_harness import MODEL, serve_engine  # noqa: E402
 
-from pagedserve.bench.serving import format_comparison, format_report, format_table, plot, run_serving_bench  # noqa: E402
+from pagedserve.bench.serving import (  # noqa: E402
+    format_comparison, format_report, format_table, median_reports, plot, run_serving_bench, wait_until_idle)
 from pagedserve.bench.workload import sharegpt_like  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -59,12 +62,51 @@ def test_two_named_urls_give_one_table_and_a_comparison(url, tmp_path, capsys):
     assert sum(r.startswith("| first | ") for r in rows) == 2 and sum(r.startswith("| second | ") for r in rows) == 2
     assert "| inf | second | " in table and "| 40 | second | " in table  # first / second, rate by rate
     reports = json.loads((tmp_path / "r.json").read_text())
+    # the systems take turns at each rate
     assert [(r["system"], r["request_rate"]) for r in reports] == [
-        ("first", float("inf")), ("first", 40.0), ("second", float("inf")), ("second", 40.0)]
+        ("first", float("inf")), ("second", float("inf")), ("first", 40.0), ("second", 40.0)]
     assert all(r["completed"] == 3 for r in reports)
     # each rate draws its own prompts, so that none is served from the prefix cache of an earlier run
-    assert reports[0]["workload"] == reports[2]["workload"] != reports[1]["workload"] == reports[3]["workload"]
+    assert reports[0]["workload"] == reports[1]["workload"] != reports[2]["workload"] == reports[3]["workload"]
     assert "3 requests per rate, new prompts at each rate" in table
+
+
+def test_rounds_take_turns_on_new_prompts_and_report_medians(url, tmp_path):
+    cli.main(["bench", "serving", "--url", f"first={url}", f"second={url}", "--model-name", MODEL,
+              "--num-requests", "3", "--max-output-len", "9", "--request-rate", "inf", "--rounds", "3",
+              "--warmup-requests", "0", "--out-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    runs = json.loads((tmp_path / "r.json").read_text())
+    # who goes first rotates from round to round
+    assert [(r["system"], r["round"]) for r in runs] == [
+        ("first", 0), ("second", 0), ("second", 1), ("first", 1), ("first", 2), ("second", 2)]
+    # one draw of prompts per round, the same for both systems within it
+    assert len({r["workload"] for r in runs}) == 3
+    assert all(a["workload"] == b["workload"] for a, b in zip(runs[::2], runs[1::2]))
+    table = (tmp_path / "bench_serving.md").read_text()
+    assert "3 requests per rate, new prompts at each rate, medians of 3 rounds" in table
+    assert "| first | inf | 9 of 9 |" in table
+    median = sorted(r["ttft_s"]["p99"] for r in runs if r["system"] == "first")[1]
+    assert f"| {median * 1e3:.0f} |" in table or f"/ {median * 1e3:.0f} |" in table
+    assert "rounds, of 3, in which first was at least as good" in table
+
+
+def test_medians_and_round_counts():
+    def run(system, round_, ttft, tps):
+        p = {"p50": ttft, "p99": 2 * ttft}
+        return {"system": system, "request_rate": 1.0, "round": round_, "workload": f"w{round_}", "completed": 4,
+                "failed": 0, "errors": [], "duration_s": 1.0, "request_throughput": 1.0, "output_throughput": tps,
+                "total_token_throughput": tps, "ttft_s": p, "tpot_s": p, "itl_s": p, "e2e_s": p}
+
+    runs = [run("a", 0, 0.1, 10), run("b", 0, 0.2, 20), run("a", 1, 0.5, 30), run("b", 1, 0.3, 20),
+            run("a", 2, 0.3, 40), run("b", 2, 0.4, 20)]
+    a, b = median_reports(runs)
+    assert (a["system"], a["rounds"], a["completed"]) == ("a", 3, 12)
+    assert a["ttft_s"] == {"p50": 0.3, "p99": 0.6} and b["ttft_s"]["p50"] == 0.3
+    assert a["output_throughput"] == 30 and b["output_throughput"] == 20
+    text = format_comparison([a, b], "a", runs)
+    # a's TTFT was no higher than b's in rounds 0 and 2; its throughput no lower in rounds 1 and 2
+    assert "| 1 | b | 300 / 300 (1.00x; 2/3) | 600 / 600 (1.00x; 2/3) |" in text
+    assert "30 / 20 (1.50x; 2/3) |" in text
 
 
 def test_the_comparison_divides_the_baseline_by_each_other_system():
@@ -75,3 +117,14 @@ def test_the_comparison_divides_the_baseline_by_each_other_system():
 
     text = format_comparison([report("a", 1.0, 0.1, 0.02, 100), report("b", 1.0, 0.2, 0.01, 50)], "a")
     assert "| 1 | b | 100 / 200 (0.50x) | 200 / 400 (0.50x) | 20 / 10 (2.00x) | 40 / 20 (2.00x) | 100 / 50 (2.00x) |" in text
+
+
+def test_waiting_for_idle_cpus_waits_while_every_core_is_busy():
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        assert wait_until_idle(threshold=0.3, window_s=0.2, timeout_s=1.0) >= 1.0
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert wait_until_idle(threshold=0.3, window_s=0.2, timeout_s=5.0) < 5.0
