@@ -101,7 +101,7 @@ def decode_attention(
     n, num_heads = token_indices.shape[0], q.shape[1]
     if not q[0:1].is_contiguous():  # heads apart within a token: the kernel cannot stride them
         q = q.contiguous()
-    for t in (q[0:1], out, k_cache, v_cache, token_indices, block_tables, seq_lens):
+    for t in (out, k_cache, v_cache, token_indices, block_tables, seq_lens):
         assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
     assert q.dtype == out.dtype, "q and out share one dtype"
     bf16 = q.dtype == torch.bfloat16

@@ -120,7 +120,7 @@ class TensorParallelExecutor:
     def measure_kv_budget(self, max_model_len: int) -> int:
         """The smallest budget any rank measured (CUDA): every rank allocates the same pool."""
         with self._collectives():
-            self._command(protocol.header(protocol.MEASURE_KV, max_model_len))
+            self._broadcast(protocol.header(protocol.MEASURE_KV, max_model_len))
             budget = torch.tensor([self.runner.measure_kv_budget(max_model_len)], dtype=torch.int64)
             dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=self.control)
         return int(budget)
@@ -128,7 +128,7 @@ class TensorParallelExecutor:
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         # No CUDA graphs: a captured step would have to capture the collectives too.
         with self._collectives():
-            self._command(protocol.header(protocol.INIT_KV, num_blocks))
+            self._broadcast(protocol.header(protocol.INIT_KV, num_blocks))
             self.runner.allocate_kv_cache(num_blocks)
 
     def execute(self, step: SchedulerOutput, sample_rows: list[int],
@@ -137,7 +137,7 @@ class TensorParallelExecutor:
         with self._collectives():
             start = time.perf_counter()
             head, payload = protocol.pack_step(inputs)
-            self._command(head)
+            self._broadcast(head)
             self._broadcast(payload)
             self.broadcast_seconds += time.perf_counter() - start
             self.num_steps += 1
@@ -156,7 +156,7 @@ class TensorParallelExecutor:
         """Tell the workers to exit (unless the group is broken), wait for them, leave the group."""
         if notify and self._failed is None and dist.is_initialized():
             try:
-                self._command(protocol.header(protocol.SHUTDOWN))
+                self._broadcast(protocol.header(protocol.SHUTDOWN))
             except Exception as e:
                 logger.warning("could not tell the workers to stop (%r); stopping them", e)
         self._finalizer()
@@ -166,9 +166,6 @@ class TensorParallelExecutor:
             self.tp.group = self.control = None
 
     # ---- faults --------------------------------------------------------------------------
-
-    def _command(self, head: torch.Tensor) -> None:
-        self._broadcast(head)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast from this rank within the group's timeout. gloo bounds a wait to receive but
