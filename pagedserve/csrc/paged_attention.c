@@ -326,7 +326,9 @@ int paged_decode_attention(
  * of its new tokens (the group's query heads for those tokens are its rows); it walks the keys
  * those tokens may see in tiles of KT and keeps a running softmax per row (flash attention): the
  * scores are never written out whole. Causality and the window hide keys by position, so a chunk
- * behind cached tokens and a whole prompt are the same case.
+ * behind cached tokens and a whole prompt are the same case. In the tile that crosses the diagonal a
+ * block of rows computes only the vectors of keys up to its last row's position (block_visible): the
+ * rest would be masked to weight 0.
  */
 #define KV_ 4         /* vectors of keys per tile */
 #define KT (KV_ * VL) /* keys per tile */
@@ -418,7 +420,7 @@ static inline float hmax(vec v)
  * chains of dependent operations overlap (one row at a time, the softmax took a third of the time). */
 static inline __attribute__((always_inline)) void tile_softmax(
     vec s[RB][KV_], float p[RB][KT], float corr[RB], float *m, float *l, int64_t r0, int64_t nr, int64_t tokens,
-    int64_t first_pos, int64_t j0, int masked, int64_t window, float scale)
+    int64_t first_pos, int64_t j0, int masked, int64_t window, float scale, const int nvec)
 {
     const vec minus_inf = (vec){0} - INFINITY;
     if (masked) {
@@ -427,7 +429,7 @@ static inline __attribute__((always_inline)) void tile_softmax(
             iota[i] = i;
         for (int64_t b = 0; b < RB; b++) {
             const int64_t pos = first_pos + (r0 + b) % tokens;
-            for (int c = 0; c < KV_; c++) {
+            for (int c = 0; c < nvec; c++) {
                 const ivec kp = (ivec){0} + (int32_t)(j0 + c * VL - pos) + iota; /* key - query position */
                 ivec hide = kp > 0;
                 if (window > 0)
@@ -441,7 +443,7 @@ static inline __attribute__((always_inline)) void tile_softmax(
     vec m_old = minus_inf, m_tile = minus_inf;
     for (int64_t b = 0; b < RB; b++) {
         vec row_max = s[b][0];
-        for (int c = 1; c < KV_; c++)
+        for (int c = 1; c < nvec; c++)
             row_max = vmax(row_max, s[b][c]);
         m_tile[b] = hmax(row_max) * log2_scale; /* scale > 0: the max of the scaled scores */
         if (b < nr)
@@ -452,14 +454,15 @@ static inline __attribute__((always_inline)) void tile_softmax(
     const vec shift = vselect(m_new == minus_inf, (vec){0}, m_new);
     const vec factor = exp2_nonpositive(m_old - shift);
     for (int64_t b = 0; b < RB; b++)
-        for (int c = 0; c < KV_; c++)
+        for (int c = 0; c < nvec; c++)
             store(p[b] + c * VL, s[b][c] * log2_scale - shift[b]);
-    /* All RB x KT exponentials in one pass over p (taken on s in registers instead, they ran slower). */
-    for (int t = 0; t < RB * KT; t += VL)
-        store(&p[0][0] + t, exp2_nonpositive(load(&p[0][0] + t)));
+    /* All the exponentials in one pass over p (taken on s in registers instead, they ran slower). */
+    for (int64_t b = 0; b < RB; b++)
+        for (int c = 0; c < nvec; c++)
+            store(p[b] + c * VL, exp2_nonpositive(load(p[b] + c * VL)));
     for (int64_t b = 0; b < RB; b++) {
         vec sum = load(p[b]);
-        for (int c = 1; c < KV_; c++)
+        for (int c = 1; c < nvec; c++)
             sum += load(p[b] + c * VL);
         corr[b] = factor[b];
         if (b < nr) {
@@ -499,6 +502,47 @@ static inline int64_t staged_from(int64_t from, int64_t window)
         }                                                                                                     \
     }
 
+/* How many keys from j0 on the rows r0..r0+nr-1 of a work item may see at most: up to the position of
+ * their last token (rows wrap from one query head's tokens to the next's, so a block that wraps holds
+ * the item's last token). At or below 0 the block sees none of the tile. Fewer than KT only in a tile
+ * that crosses the diagonal, which tile_softmax masks: keys past this count need no scores. */
+static inline int64_t block_visible(int64_t r0, int64_t nr, int64_t tokens, int64_t first_pos, int64_t j0)
+{
+    const int64_t t0 = r0 % tokens, last_token = t0 + nr - 1 < tokens ? t0 + nr - 1 : tokens - 1;
+    return first_pos + last_token + 1 - j0;
+}
+
+/* Vectors of keys that hold any of `visible` keys: a diagonal tile computes only those. */
+static inline int key_vectors(int64_t visible) { return visible >= KT ? KV_ : (int)((visible + VL - 1) / VL); }
+
+/* Scores of RB rows against the first nvec vectors of keys of a tile (the rest stay 0, masked later):
+ * head_dim broadcast multiply-adds each. nvec is a constant where this is inlined (WITH_KEY_VECTORS). */
+static inline __attribute__((always_inline)) void tile_scores(
+    vec s[RB][KV_], const float *kj, const float *qb, const int64_t head_dim, const int nvec)
+{
+    for (int64_t b = 0; b < RB; b++)
+        for (int c = 0; c < KV_; c++)
+            s[b][c] = (vec){0};
+    for (int64_t d = 0; d < head_dim; d++) {
+        vec k[KV_];
+        for (int c = 0; c < nvec; c++)
+            k[c] = load(kj + d * KT + c * VL);
+        for (int64_t b = 0; b < RB; b++)
+            for (int c = 0; c < nvec; c++)
+                s[b][c] += qb[b * head_dim + d] * k[c];
+    }
+}
+
+/* The statements with nv = nvec as a compile-time constant, so that their loops over key vectors unroll. */
+_Static_assert(KV_ == 4, "WITH_KEY_VECTORS spells out nvec = 1..KV_");
+#define WITH_KEY_VECTORS(nvec, ...)                 \
+    switch (nvec) {                                 \
+    case 1: { const int nv = 1; __VA_ARGS__; } break; \
+    case 2: { const int nv = 2; __VA_ARGS__; } break; \
+    case 3: { const int nv = 3; __VA_ARGS__; } break; \
+    default: { const int nv = 4; __VA_ARGS__; } break; \
+    }
+
 /* One work item: rows = group x (tokens i0..i1-1 of the request's new tokens, at positions ctx + i).
  * Row r is token i0 + r % tokens of query head kvh * group + r / tokens. kt, vt: this request's
  * staged K and V for this KV head, from key stage_start on, tile by tile: each tile's K transposed
@@ -528,22 +572,15 @@ static inline __attribute__((always_inline)) void prefill_tile(
         const int masked = tile_is_masked(j0, ctx + i0, last, window);
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+            const int64_t visible = block_visible(r0, nr, tokens, ctx + i0, j0);
+            if (visible <= 0)
+                continue; /* past these rows' positions: the tile changes nothing of theirs */
+            const int64_t nt = visible < nk ? visible : nk; /* p is 0 past them: p . V skips them */
             const float *qb = qs + r0 * head_dim;
-            /* Scores: RB rows x KT keys, head_dim broadcast multiply-adds each. */
             vec s[RB][KV_];
-            for (int64_t b = 0; b < RB; b++)
-                for (int c = 0; c < KV_; c++)
-                    s[b][c] = (vec){0};
-            for (int64_t d = 0; d < head_dim; d++) {
-                vec k[KV_];
-                for (int c = 0; c < KV_; c++)
-                    k[c] = load(kj + d * KT + c * VL);
-                for (int64_t b = 0; b < RB; b++)
-                    for (int c = 0; c < KV_; c++)
-                        s[b][c] += qb[b * head_dim + d] * k[c];
-            }
             float p[RB][KT] __attribute__((aligned(64))), corr[RB];
-            tile_softmax(s, p, corr, m, l, r0, nr, tokens, ctx + i0, j0, masked, window, scale);
+            WITH_KEY_VECTORS(key_vectors(visible), tile_scores(s, kj, qb, head_dim, nv);
+                             tile_softmax(s, p, corr, m, l, r0, nr, tokens, ctx + i0, j0, masked, window, scale, nv))
             /* acc = acc * corr + p . V, OV output vectors at a time, all RB rows in registers. */
             for (int64_t v0 = 0; v0 < head_dim; v0 += OV * VL) {
                 vec o[RB][OV];
@@ -552,7 +589,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
                         o[b][i] = v0 + i * VL < head_dim
                                       ? load(acc + (r0 + (b < nr ? b : 0)) * head_dim + v0 + i * VL) * corr[b]
                                       : (vec){0};
-                for (int64_t t = 0; t < nk; t++) {
+                for (int64_t t = 0; t < nt; t++) {
                     vec v[OV];
                     for (int i = 0; i < OV; i++)
                         v[i] = v0 + i * VL < head_dim ? load(vj + t * head_dim + v0 + i * VL) : (vec){0};
@@ -612,6 +649,35 @@ static inline __attribute__((always_inline)) void stage_kv_tile_bf16(
 static inline __m512bh pair_broadcast(uint32_t word) { return (__m512bh)_mm512_set1_epi32((int)word); }
 static inline __m512bh load_pairs(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
 
+/* The first nvec vectors of each row's p rounded to bfloat16 pairs (a pair past them holds 0). */
+static inline __attribute__((always_inline)) void round_pairs(float p[RB][KT], uint32_t pw[RB][KT / 2], const int nvec)
+{
+    for (int64_t b = 0; b < RB; b++)
+        for (int c = 0; c < nvec; c += 2) {
+            const __m512 high = c + 1 < nvec ? _mm512_load_ps(p[b] + (c + 1) * VL) : _mm512_setzero_ps();
+            _mm512_store_si512(pw[b] + c * VL / 2, (__m512i)_mm512_cvtne2ps_pbh(high, _mm512_load_ps(p[b] + c * VL)));
+        }
+}
+
+/* tile_scores over the staged bfloat16 pairs: half = head_dim / 2 pair dot products per score. */
+static inline __attribute__((always_inline)) void tile_scores_bf16(
+    vec s[RB][KV_], const uint32_t *kj, const uint32_t *qb, const int64_t half, const int nvec)
+{
+    for (int64_t b = 0; b < RB; b++)
+        for (int c = 0; c < KV_; c++)
+            s[b][c] = (vec){0};
+    for (int64_t d = 0; d < half; d++) {
+        __m512bh k[KV_];
+        for (int c = 0; c < nvec; c++)
+            k[c] = load_pairs(kj + d * KT + c * VL);
+        for (int64_t b = 0; b < RB; b++) {
+            const __m512bh qbd = pair_broadcast(qb[b * half + d]);
+            for (int c = 0; c < nvec; c++)
+                s[b][c] = (vec)_mm512_dpbf16_ps((__m512)s[b][c], k[c], qbd);
+        }
+    }
+}
+
 /* prefill_tile for a staged bfloat16 tile (layouts above), bfloat16 q and out. */
 static inline __attribute__((always_inline)) void prefill_tile_bf16(
     const uint32_t *kt, const uint32_t *vt, int64_t stage_start, const void *q, void *out,
@@ -637,28 +703,17 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
         const int masked = tile_is_masked(j0, ctx + i0, last, window);
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+            const int64_t visible = block_visible(r0, nr, tokens, ctx + i0, j0);
+            if (visible <= 0)
+                continue;
+            const int64_t nt = visible < nk ? visible : nk;
             const uint32_t *qb = qw + r0 * half;
             vec s[RB][KV_];
-            for (int64_t b = 0; b < RB; b++)
-                for (int c = 0; c < KV_; c++)
-                    s[b][c] = (vec){0};
-            for (int64_t d = 0; d < half; d++) {
-                __m512bh k[KV_];
-                for (int c = 0; c < KV_; c++)
-                    k[c] = load_pairs(kj + d * KT + c * VL);
-                for (int64_t b = 0; b < RB; b++) {
-                    const __m512bh qbd = pair_broadcast(qb[b * half + d]);
-                    for (int c = 0; c < KV_; c++)
-                        s[b][c] = (vec)_mm512_dpbf16_ps((__m512)s[b][c], k[c], qbd);
-                }
-            }
             float p[RB][KT] __attribute__((aligned(64))), corr[RB];
-            tile_softmax(s, p, corr, m, l, r0, nr, tokens, ctx + i0, j0, masked, window, scale);
             uint32_t pw[RB][KT / 2] __attribute__((aligned(64))); /* p rounded to bfloat16, in key pairs */
-            for (int64_t b = 0; b < RB; b++)
-                for (int t = 0; t < KT; t += 2 * VL)
-                    _mm512_store_si512(pw[b] + t / 2,
-                                       (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p[b] + t + VL), _mm512_load_ps(p[b] + t)));
+            WITH_KEY_VECTORS(key_vectors(visible), tile_scores_bf16(s, kj, qb, half, nv);
+                             tile_softmax(s, p, corr, m, l, r0, nr, tokens, ctx + i0, j0, masked, window, scale, nv);
+                             round_pairs(p, pw, nv))
             for (int64_t v0 = 0; v0 < head_dim; v0 += OV * VL) {
                 vec o[RB][OV];
                 for (int64_t b = 0; b < RB; b++)
@@ -666,7 +721,7 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
                         o[b][i] = v0 + i * VL < head_dim
                                       ? load(acc + (r0 + (b < nr ? b : 0)) * head_dim + v0 + i * VL) * corr[b]
                                       : (vec){0};
-                for (int64_t t = 0; t < (nk + 1) / 2; t++) {
+                for (int64_t t = 0; t < (nt + 1) / 2; t++) {
                     __m512bh v[OV];
                     for (int i = 0; i < OV; i++)
                         v[i] = v0 + i * VL < head_dim ? load_pairs(vj + t * head_dim + v0 + i * VL) : (__m512bh)_mm512_setzero_si512();
