@@ -412,9 +412,10 @@ static inline float hmax(vec v)
     return v[0];
 }
 
-/* The running softmax of one register block (rows r0..r0+nr-1 of a work item) over one key tile:
- * hide what a row may not see (only tiles that cross the causal diagonal or the window's edge,
- * `masked`, have such keys), then p = exp(score * scale - running max) and corr = the factor that
+/* The running softmax of one register block (rows r0..r0+nr-1 of a work item) over the first nvec
+ * vectors of keys of one key tile (any past them are past every row's position): hide what a row may
+ * not see (only tiles that cross the causal diagonal or the window's edge, `masked`, have such keys),
+ * then p = exp(score * scale - running max) and corr = the factor that
  * rescales what each row saw before; m (each row's running max, in log2 units: exp(x) = 2^(x log2 e))
  * and l (its running sum) are updated. Each step runs for all RB rows at once, so that the rows'
  * chains of dependent operations overlap (one row at a time, the softmax took a third of the time). */
@@ -515,13 +516,14 @@ static inline int64_t block_visible(int64_t r0, int64_t nr, int64_t tokens, int6
 /* Vectors of keys that hold any of `visible` keys: a diagonal tile computes only those. */
 static inline int key_vectors(int64_t visible) { return visible >= KT ? KV_ : (int)((visible + VL - 1) / VL); }
 
-/* Scores of RB rows against the first nvec vectors of keys of a tile (the rest stay 0, masked later):
- * head_dim broadcast multiply-adds each. nvec is a constant where this is inlined (WITH_KEY_VECTORS). */
+/* Scores of RB rows against the first nvec vectors of keys of a tile (the others are neither computed
+ * nor read): head_dim broadcast multiply-adds each. nvec is a constant where this is inlined
+ * (WITH_KEY_VECTORS). */
 static inline __attribute__((always_inline)) void tile_scores(
     vec s[RB][KV_], const float *kj, const float *qb, const int64_t head_dim, const int nvec)
 {
     for (int64_t b = 0; b < RB; b++)
-        for (int c = 0; c < KV_; c++)
+        for (int c = 0; c < nvec; c++)
             s[b][c] = (vec){0};
     for (int64_t d = 0; d < head_dim; d++) {
         vec k[KV_];
@@ -649,8 +651,10 @@ static inline __attribute__((always_inline)) void stage_kv_tile_bf16(
 static inline __m512bh pair_broadcast(uint32_t word) { return (__m512bh)_mm512_set1_epi32((int)word); }
 static inline __m512bh load_pairs(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-/* The first nvec vectors of each row's p rounded to bfloat16 pairs (a pair past them holds 0). */
-static inline __attribute__((always_inline)) void round_pairs(float p[RB][KT], uint32_t pw[RB][KT / 2], const int nvec)
+/* The first nvec vectors of each row's p rounded to bfloat16 pairs (for nvec odd, with a vector of
+ * zeros as the last one's partner). */
+static inline __attribute__((always_inline)) void round_pairs(
+    float p[RB][KT], uint32_t pw[RB][KT / 2], const int nvec)
 {
     for (int64_t b = 0; b < RB; b++)
         for (int c = 0; c < nvec; c += 2) {
@@ -664,7 +668,7 @@ static inline __attribute__((always_inline)) void tile_scores_bf16(
     vec s[RB][KV_], const uint32_t *kj, const uint32_t *qb, const int64_t half, const int nvec)
 {
     for (int64_t b = 0; b < RB; b++)
-        for (int c = 0; c < KV_; c++)
+        for (int c = 0; c < nvec; c++)
             s[b][c] = (vec){0};
     for (int64_t d = 0; d < half; d++) {
         __m512bh k[KV_];
