@@ -32,6 +32,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed import protocol
 from pagedserve.distributed.worker import join_group, leave_group, load_shard, run_spawned
 from pagedserve.engine.executor import ExecutorFailed
+from pagedserve.engine.model_runner import StepInputs
 from pagedserve.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,13 @@ class TensorParallelExecutor:
 
     def execute(self, step: SchedulerOutput, sample_rows: list[int],
                 prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
-        inputs = self.runner.prepare(step, sample_rows, prompt_spans)
+        return self._run(self.runner.prepare(step, sample_rows, prompt_spans))
+
+    def warm_up(self, num_tokens: int, max_model_len: int) -> None:
+        self._run(self.runner.warm_up_inputs(num_tokens, max_model_len))
+
+    def _run(self, inputs: StepInputs) -> torch.Tensor:
+        """Send every rank the step's inputs, and run this rank's share of it."""
         with self._collectives():
             start = time.perf_counter()
             head, payload = protocol.pack_step(inputs)

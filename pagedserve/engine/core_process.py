@@ -48,6 +48,7 @@ def run_engine_core(config: EngineConfig, eos_token_ids: list[int], command_addr
         from pagedserve.engine.core import EngineCore
 
         core = EngineCore(config, eos_token_ids=eos_token_ids)
+        core.warm_up()  # before ready: the first burst should not pay for the first full-budget step
     except BaseException as e:
         logger.exception("the engine core failed to start")
         outputs.send(encoder.encode(CoreFailed(f"the engine core failed to start: {e!r}")))

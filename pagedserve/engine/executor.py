@@ -42,6 +42,9 @@ class Executor(Protocol):
         """Run one step; float32 logits of each listed row's last token, then of each prompt span's
         tokens (see `ModelRunner.execute`)."""
 
+    def warm_up(self, num_tokens: int, max_model_len: int) -> None:
+        """Run a step of `num_tokens` dummy prompt tokens (`ModelRunner.warm_up_inputs`) on every worker."""
+
     def check_health(self) -> None:
         """Raise ExecutorFailed if a step can no longer run."""
 
@@ -79,6 +82,9 @@ class UniProcExecutor:
     def execute(self, step: SchedulerOutput, sample_rows: list[int],
                 prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
         return self.runner.execute(step, sample_rows, prompt_spans)
+
+    def warm_up(self, num_tokens: int, max_model_len: int) -> None:
+        self.runner.run(self.runner.warm_up_inputs(num_tokens, max_model_len))
 
     def check_health(self) -> None:
         pass

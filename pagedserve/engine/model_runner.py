@@ -39,6 +39,11 @@ class StepInputs:
     logits_rows: list[int]                 # tokens (indices into input_ids) whose logits are wanted
 
 
+# The prompts of a warm-up step are at most this long: a chat burst's, not one long document's,
+# whose attention would cost more startup time for the same matmul shapes.
+WARM_UP_PROMPT_LEN = 512
+
+
 def kv_budget_from_gpu_memory(total: int, free: int, peak_activation: int, utilization: float) -> int:
     """Bytes the KV pool may take on a GPU of `total` bytes with `free` bytes free now (weights
     loaded; whatever else runs on the GPU counts against us too) and a forward pass whose
@@ -126,6 +131,19 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs), cdiv(max_model_len, self.block_size),
             self.block_size, self.attention_backend, self.device, capture=capture)
+
+    def warm_up_inputs(self, num_tokens: int, max_model_len: int) -> StepInputs:
+        """A step of `num_tokens` dummy prompt tokens, as prompts of at most WARM_UP_PROMPT_LEN, over
+        the pool's first blocks. Run before any request holds a block: it writes only KV that no
+        one reads (a block's content counts only once a request has computed into it)."""
+        max_len = min(max_model_len, WARM_UP_PROMPT_LEN)
+        lens = [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
+        blocks = [cdiv(n, self.block_size) for n in lens]
+        width, first = max(blocks), list(itertools.accumulate(blocks, initial=0))
+        tables = torch.tensor([list(range(first[i], first[i + 1])) + [0] * (width - blocks[i])
+                               for i in range(len(lens))], dtype=torch.int64)
+        rows = list(itertools.accumulate(lens))  # each prompt's last token samples, as in a real step
+        return StepInputs([0] * num_tokens, [0] * len(lens), lens, tables, [], [r - 1 for r in rows])
 
     def _metadata(self, block_tables, computed, num_new) -> AttentionMetadata:
         return self.attention_backend.build_metadata(block_tables, computed, num_new, self.block_size, self.device)

@@ -107,6 +107,23 @@ def test_prefix_caching_on_and_off(embedded_model, embedded_tokenizer, prompts, 
     assert_all_free(llm)
 
 
+def test_warm_up_step_changes_no_output_and_counts_nothing(embedded_model, embedded_tokenizer, prompts, reference):
+    # A budget of 1,100 tokens warms up as prompts of 512, 512 and 76 over blocks 0-68: the
+    # blocks the requests are then given, holding the warm-up's keys and values.
+    llm = make_llm(embedded_model, embedded_tokenizer, max_num_batched_tokens=1100)
+    core = llm.llm_engine.core
+    core.warm_up()
+    assert core.stats.num_steps == core.stats.num_prompt_tokens == 0
+    assert llm.get_metrics()["prefix_cache_queries"] == 0
+    assert_all_free(llm)
+    assert generate_ids(llm, prompts) == reference
+    assert_all_free(llm)
+    # Once requests have used the pool, free blocks may hold cached prefixes: no more warm-ups.
+    assert llm.llm_engine.kv.pool.num_cached_free > 0
+    with pytest.raises(RuntimeError, match="before the first request"):
+        core.warm_up()
+
+
 def test_reset_prefix_cache_makes_the_next_run_cold(embedded_model, embedded_tokenizer, prompts, reference):
     llm = make_llm(embedded_model, embedded_tokenizer)
     assert generate_ids(llm, prompts[:1]) == reference[:1]

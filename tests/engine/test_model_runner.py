@@ -117,3 +117,30 @@ def test_runner_selects_an_indexed_cuda_device_only(embedded_model, monkeypatch,
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(str(d)))
     ModelRunner(*embedded_model, EngineConfig(device=device, attention_backend="torch"))
     assert calls == ([selected] if selected else [])
+
+
+def test_warm_up_step_is_prompts_of_at_most_512_tokens_over_the_first_blocks(tiny_checkpoint):
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.model_runner import ModelRunner
+    from pagedserve.models.loader import load_model
+
+    path, _ = tiny_checkpoint("llama")
+    model, model_config = load_model(str(path))
+    runner = ModelRunner(model, model_config, EngineConfig(device="cpu"))
+    runner.allocate_kv_cache(80)
+    inputs = runner.warm_up_inputs(1100, max_model_len=4096)
+    assert inputs.num_new == [512, 512, 76] and inputs.num_computed == [0, 0, 0]
+    assert inputs.input_ids == [0] * 1100 and inputs.logits_rows == [511, 1023, 1099] and inputs.block_copies == []
+    assert inputs.block_tables.tolist() == [list(range(0, 32)), list(range(32, 64)),
+                                            list(range(64, 69)) + [0] * 27]
+    # A shorter context bounds the prompts (this model's is 256); a budget under one prompt is one prompt.
+    assert runner.warm_up_inputs(250, max_model_len=100).num_new == [100, 100, 50]
+    assert runner.run(runner.warm_up_inputs(300, max_model_len=256)).shape == (2, model_config.vocab_size)
+    assert runner.warm_up_inputs(20, max_model_len=4096).block_tables.tolist() == [[0, 1]]
+
+
+def test_warm_up_leaves_the_fp8_scales_to_the_first_real_step(embedded_model, embedded_tokenizer):
+    llm = make_llm(embedded_model, embedded_tokenizer, kv_cache_dtype="fp8", calculate_kv_scales=True,
+                   max_num_batched_tokens=64)
+    llm.llm_engine.core.warm_up()
+    assert llm.llm_engine.runner.calibrate_kv_scales

@@ -233,7 +233,9 @@ def make_async_engine(config: EngineConfig, engine_core: str = "process") -> Asy
     if engine_core == "thread":
         from pagedserve.engine.llm_engine import LLMEngine
 
-        return AsyncLLMEngine(LLMEngine(config))
+        engine = LLMEngine(config)
+        engine.core.warm_up()  # as the engine core process does before it reports ready
+        return AsyncLLMEngine(engine)
     raise ValueError(f"engine_core must be 'process' or 'thread', got {engine_core!r}")
 
 
