@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.engine.sampler import Sampler, SamplingBatch, TokenCounts, apply_penalties
+from pagedserve.engine.sampler import Sampler, SamplingBatch, TokenCounts, apply_penalties, exponential_noise_
 from pagedserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -255,6 +255,21 @@ def seeded_run(seed, steps, others, where, vocab=200):
         outputs[where] = tokens
         tokens.append(sampler(logits, build(params, outputs=outputs, generators=gens)).token_ids[where])
     return tokens
+
+
+def test_exponential_noise_is_exp_1_finite_and_positive(monkeypatch):
+    q = exponential_noise_(torch.empty(1000, 1000), torch.Generator().manual_seed(0))
+    assert bool(torch.isfinite(q).all()) and bool((q > 0).all())
+    # Exp(1): mean 1, P(q > x) = exp(-x). With a million draws each figure is within 5 standard errors.
+    assert abs(q.double().mean().item() - 1) < 5e-3
+    for x in (0.1, 1.0, 3.0, 6.0):
+        expected = math.exp(-x)
+        assert abs((q > x).double().mean().item() - expected) < 5 * math.sqrt(expected * (1 - expected) / 1e6)
+    again = exponential_noise_(torch.empty(1000, 1000), torch.Generator().manual_seed(0))
+    assert torch.equal(q, again)
+    # A uniform draw of exactly 0 (one in 2**24 in float32) would be infinite noise: the floor keeps it finite.
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, generator=None: self.zero_())
+    assert exponential_noise_(torch.empty(3), None).tolist() == [pytest.approx(-math.log(2.0**-126))] * 3
 
 
 def test_seeded_row_independent_of_batch():
