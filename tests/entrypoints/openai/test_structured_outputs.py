@@ -24,7 +24,9 @@ class City(BaseModel):
     population_millions: int = Field(ge=0, le=100)
 
 
-SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer"}},
+# A bounded integer: an unbounded one may be sampled digit after digit until max_tokens cuts it.
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                           "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
           "required": ["answer", "confidence"]}
 ASK = [{"role": "user", "content": "Tell me about Paris as JSON."}]
 
@@ -45,6 +47,7 @@ def test_json_schema_sampled_always_validates(server):
         model=MODEL, messages=ASK, n=8, max_tokens=48, temperature=1.0, seed=0,
         response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}})
     for choice in completion.choices:
+        assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
