@@ -173,15 +173,19 @@ class RouterCollector:
 
 def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | None = None, *,
                   num_replicas: int = 1, autoscale: tuple[int, int] | None = None, replica_cpus: int | None = None,
-                  router: str = "prefix-aware", router_kwargs: dict | None = None, **app_options) -> Any:
+                  router: str = "prefix-aware", router_kwargs: dict | None = None,
+                  autoscaling_options: dict | None = None, **app_options) -> Any:
     """The Serve application: `num_replicas` engine replicas (or autoscaled between the bounds of
     `autoscale`) behind the OpenAI ingress. replica_cpus: the CPUs each replica reserves and
     computes on (default: this machine's cores shared among the most replicas there can be);
-    router: a key of ROUTERS, router_kwargs its options."""
+    router: a key of ROUTERS, router_kwargs its options; autoscaling_options: more fields of Ray
+    Serve's AutoscalingConfig (upscale_delay_s, look_back_period_s, ...), over ours."""
     from ray.serve.config import RequestRouterConfig
 
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
+    if autoscaling_options and autoscale is None:
+        raise ValueError("autoscaling_options apply only with autoscale=(min, max)")
     if replica_cpus is None:
         replica_cpus = max(1, len(os.sched_getaffinity(0)) // (autoscale[1] if autoscale else num_replicas))
     actor_options: dict[str, Any] = {"num_cpus": replica_cpus}
@@ -190,7 +194,8 @@ def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | N
     replica_options: dict[str, Any] = {"ray_actor_options": actor_options}
     if autoscale is not None:
         replica_options["autoscaling_config"] = {"min_replicas": autoscale[0], "max_replicas": autoscale[1],
-                                                 "target_ongoing_requests": config.max_num_seqs // 2 or 1}
+                                                 "target_ongoing_requests": config.max_num_seqs // 2 or 1,
+                                                 **(autoscaling_options or {})}
     else:
         replica_options["num_replicas"] = num_replicas
     if router == "prefix-aware":

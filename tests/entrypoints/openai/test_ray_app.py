@@ -283,7 +283,10 @@ def test_a_replica_is_a_tensor_parallel_engine_with_its_own_workers(ray_serve, c
 def test_autoscale_adds_a_replica_under_load(ray_serve, checkpoint):
     serve.delete(APP_NAME)
     # max_num_seqs 2: a replica's target is 1 ongoing request, so 6 streams ask for more replicas.
-    url = deploy(ray_serve, checkpoint, autoscale=(1, 2), engine={"num_kv_blocks": 256, "max_num_seqs": 2})
+    # Ray Serve's own delays (30 s of load, averaged over 30 s, before it adds one) shortened, so that the
+    # test does not wait them out; the look-back must stay over its 10 s metrics interval.
+    url = deploy(ray_serve, checkpoint, autoscale=(1, 2), engine={"num_kv_blocks": 256, "max_num_seqs": 2},
+                 autoscaling_options={"upscale_delay_s": 2.0, "look_back_period_s": 12.0})
     assert running_replicas() == 1
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     stop = threading.Event()
@@ -329,6 +332,8 @@ def test_autoscale_bounds_are_read_as_min_dot_dot_max():
             parse_autoscale(bad)
 
 
-def test_an_unknown_router_is_refused_by_name():
+def test_an_unknown_router_and_autoscaling_options_without_autoscale_are_refused():
     with pytest.raises(ValueError, match="unknown router 'fastest'; choose from prefix-aware, default"):
         build_ray_app(EngineConfig(num_kv_blocks=16), MODEL, router="fastest")
+    with pytest.raises(ValueError, match="autoscaling_options apply only with autoscale"):
+        build_ray_app(EngineConfig(num_kv_blocks=16), MODEL, autoscaling_options={"upscale_delay_s": 1.0})
