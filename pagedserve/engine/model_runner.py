@@ -93,10 +93,8 @@ class ModelRunner:
         gc.collect()  # a dropped engine can hold GPU memory until the cycle collector runs
         torch.cuda.empty_cache()
         total_tokens = self.config.max_num_batched_tokens
-        lens = [min(max_model_len, total_tokens - start) for start in range(0, total_tokens, max_model_len)]
-        blocks = [cdiv(n, self.block_size) for n in lens]
-        self.allocate_kv_cache(sum(blocks))
-        tables = [list(range(sum(blocks[:i]), sum(blocks[:i + 1]))) for i in range(len(lens))]
+        lens, tables, num_blocks = self._dummy_prompts(total_tokens, max_model_len)
+        self.allocate_kv_cache(num_blocks)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -136,14 +134,19 @@ class ModelRunner:
         """A step of `num_tokens` dummy prompt tokens, as prompts of at most WARM_UP_PROMPT_LEN, over
         the pool's first blocks. Run before any request holds a block: it writes only KV that no
         one reads (a block's content counts only once a request has computed into it)."""
-        max_len = min(max_model_len, WARM_UP_PROMPT_LEN)
+        lens, tables, _ = self._dummy_prompts(num_tokens, min(max_model_len, WARM_UP_PROMPT_LEN))
+        rows = list(itertools.accumulate(lens))  # each prompt's last token samples, as in a real step
+        return StepInputs([0] * num_tokens, [0] * len(lens), lens, tables, [], [r - 1 for r in rows])
+
+    def _dummy_prompts(self, num_tokens: int, max_len: int) -> tuple[list[int], torch.Tensor, int]:
+        """`num_tokens` as prompts of at most `max_len` (their lengths), their block tables over the
+        pool's first blocks one after another (padded with 0), and the blocks they take."""
         lens = [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
         blocks = [cdiv(n, self.block_size) for n in lens]
         width, first = max(blocks), list(itertools.accumulate(blocks, initial=0))
         tables = torch.tensor([list(range(first[i], first[i + 1])) + [0] * (width - blocks[i])
                                for i in range(len(lens))], dtype=torch.int64)
-        rows = list(itertools.accumulate(lens))  # each prompt's last token samples, as in a real step
-        return StepInputs([0] * num_tokens, [0] * len(lens), lens, tables, [], [r - 1 for r in rows])
+        return lens, tables, first[-1]
 
     def _metadata(self, block_tables, computed, num_new) -> AttentionMetadata:
         return self.attention_backend.build_metadata(block_tables, computed, num_new, self.block_size, self.device)
