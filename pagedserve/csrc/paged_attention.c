@@ -17,8 +17,8 @@
  * Query head h reads KV head h / (num_heads / num_kv_heads). Request r, at position
  * p = seq_lens[r] - 1, sees key positions j with p - window < j <= p (window <= 0: every j <= p).
  * Scores are (q . k) * scale and the softmax runs in float32, as in transformers' eager attention.
- * (One exception: bfloat16 prompts over a bfloat16 cache multiply in bf16 pairs where the CPU has
- * AVX-512 BF16; see prefill_tile_bf16.) A bfloat16 or fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened
+ * (One exception: bfloat16 queries over a bfloat16 cache multiply in bf16 pairs where the CPU has
+ * AVX-512 BF16, decode and prompts alike; see attend_request_bf16 and prefill_tile_bf16.) A bfloat16 or fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened
  * to float32 as it is read (exactly: both are float32 with fewer bits); an fp8 cache's K scale
  * multiplies the scores, its V scale the output.
  */
@@ -91,6 +91,16 @@ static inline float hsum(vec v)
     v += __builtin_shuffle(v, (ivec){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
     return v[0];
 }
+
+/* AVX-512 BF16 (vdpbf16ps): bfloat16 pair dot products with float32 sums, two multiply-adds per lane
+ * and instruction. A 32-bit word holds a bfloat16 pair, the low half first. */
+#if defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1
+static inline __m512bh pair_broadcast(uint32_t word) { return (__m512bh)_mm512_set1_epi32((int)word); }
+static inline __m512bh load_pairs(const void *p) { return (__m512bh)_mm512_loadu_si512(p); }
+#else
+#define HAVE_BF16_DOT 0
+#endif
 
 /* The rows t0..t1-1 of block b that hold visible keys, for keys first..len-1 (blocks of bs rows). */
 static inline int64_t span_start(int64_t b, int64_t first, int64_t bs) { return first > b * bs ? first - b * bs : 0; }
@@ -248,6 +258,157 @@ static inline __attribute__((always_inline)) void attend_request(
     }
 }
 
+#if HAVE_BF16_DOT
+/* Lane t of the result is the sum of v[t]'s lanes, for 16 vectors at once: a transposing tree of 45
+ * shuffles and adds, where 16 horizontal sums would take 64 and leave 16 scalars. */
+static inline __m512 sum_lanes16(const __m512 v[16])
+{
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [v2i, v2i+1, v2i, v2i+1] partial sums */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: v4i .. v4i+3, each summed over that lane */
+        const __m512d x = (__m512d)a[2 * i], y = (__m512d)a[2 * i + 1];
+        b[i] = _mm512_add_ps((__m512)_mm512_unpacklo_pd(x, y), (__m512)_mm512_unpackhi_pd(x, y));
+    }
+    for (int i = 0; i < 2; i++) /* then across the 128-bit lanes, pairwise */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Query heads of one KV group per pass over a block's V rows: their sums stay in registers. */
+#define DECODE_HEADS(head_dim) ((head_dim) <= 64 ? 4 : 2)
+
+/* attend_request for bfloat16 queries over a bfloat16 cache, in bf16 pair dot products (the rows are
+ * read as they lie in the cache, never widened into a buffer):
+ *  - q . k: head_dim / 32 vdpbf16ps per key and query head, then sum_lanes16 over 16 keys at once;
+ *  - the softmax in float32, as attend_request; its numerators are then rounded to bfloat16 (p16),
+ *    as torch's fused CPU attention rounds them in bfloat16, and the sums stay float32;
+ *  - p . V: two keys' rows interleaved into pairs (vpunpck{l,h}wd), so each vdpbf16ps adds two
+ *    keys' terms. The interleave permutes the dims within each 128-bit lane; acc holds them in that
+ *    order until the end.
+ * q16: the request's bfloat16 query heads; p16: scratch of num_heads * (max_len + 2) bfloat16. */
+static inline __attribute__((always_inline)) void attend_request_bf16(
+    const struct paged_kv *kv, const int64_t *table, int64_t first, int64_t len, const uint16_t *q16, float *oh,
+    int64_t num_heads, int64_t group, const int64_t head_dim, float scale, float *scores, int64_t max_len,
+    float *acc, uint16_t *p16)
+{
+    const int64_t bs = kv->block_size, stride = kv->token_stride, nq = head_dim / 32;
+    const int64_t first_block = first / bs, end_block = (len + bs - 1) / bs, p_stride = max_len + 2;
+    const int64_t block_bytes = bs * stride * 2, num_blocks = end_block - first_block;
+    const int64_t ahead = (PREFETCH_AHEAD + block_bytes - 1) / block_bytes;
+    const uint16_t *k_cache = kv->k_cache, *v_cache = kv->v_cache;
+    float maxima[num_heads], sums[num_heads];
+    __m512bh q[num_heads][nq];
+    for (int64_t h = 0; h < num_heads; h++) {
+        maxima[h] = -INFINITY;
+        for (int64_t i = 0; i < nq; i++)
+            q[h][i] = load_pairs(q16 + h * head_dim + i * 32);
+    }
+#define AHEAD(i)                                                                              \
+    ((i) + ahead >= 2 * num_blocks ? NULL                                                     \
+     : (i) + ahead < num_blocks ? (const char *)kv->k_cache + table[first_block + (i) + ahead] * block_bytes \
+                                : (const char *)kv->v_cache + table[first_block + (i) + ahead - num_blocks] * block_bytes)
+
+    /* Scores, 16 keys of a block at a time, and each query head's maximum. */
+    for (int64_t b = first_block; b < end_block; b++) {
+        const int64_t t0 = span_start(b, first, bs), t1 = span_end(b, len, bs);
+        const uint16_t *kb = k_cache + table[b] * bs * stride;
+        struct prefetcher pf = prefetch_spread(AHEAD(b - first_block), block_bytes,
+                                               num_heads * ((t1 - t0 + 15) / 16));
+        for (int64_t c0 = t0; c0 < t1; c0 += 16) {
+            const int nt = t1 - c0 < 16 ? (int)(t1 - c0) : 16;
+            const __mmask16 valid = (__mmask16)((1u << nt) - 1);
+            for (int64_t h = 0; h < num_heads; h++) {
+                prefetch_step(&pf);
+                const uint16_t *kh = kb + c0 * stride + (h / group) * head_dim;
+                __m512 part[16];
+                for (int t = 0; t < 16; t++) {
+                    part[t] = _mm512_setzero_ps();
+                    if (t < nt)
+                        for (int64_t i = 0; i < nq; i++)
+                            part[t] = _mm512_dpbf16_ps(part[t], load_pairs(kh + t * stride + i * 32), q[h][i]);
+                }
+                const __m512 s = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + h * max_len + b * bs + c0, valid, s);
+                const float m = _mm512_mask_reduce_max_ps(valid, s);
+                maxima[h] = m > maxima[h] ? m : maxima[h];
+            }
+        }
+    }
+
+    /* Softmax numerators, their float32 sums, and the numerators in bfloat16. */
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *sh = scores + h * max_len, sum = 0.0f;
+        const float m = maxima[h];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = first; j < len; j++) {
+            sh[j] = fast_exp(sh[j] - m);
+            sum += sh[j];
+        }
+        sums[h] = sum;
+        for (int64_t j = first; j < len; j += 16) {
+            const __mmask16 valid = (__mmask16)(len - j < 16 ? (1u << (len - j)) - 1 : 0xffff);
+            const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, sh + j));
+            _mm256_mask_storeu_epi16(p16 + h * p_stride + j, valid, (__m256i)rounded);
+        }
+    }
+
+    /* Probability-weighted sum of V, two keys per multiply-add, in acc's permuted dim order. */
+    memset(acc, 0, sizeof(float) * num_heads * head_dim);
+    const int64_t nh = DECODE_HEADS(head_dim), num_kv_heads = num_heads / group;
+    for (int64_t b = first_block; b < end_block; b++) {
+        const int64_t t0 = span_start(b, first, bs), t1 = span_end(b, len, bs);
+        const uint16_t *vb = v_cache + table[b] * bs * stride;
+        struct prefetcher pf = prefetch_spread(AHEAD(num_blocks + b - first_block), block_bytes,
+                                               num_kv_heads * ((group + nh - 1) / nh) * ((t1 - t0 + 1) / 2));
+        for (int64_t g = 0; g < num_kv_heads; g++)
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += nh) {
+                const int64_t heads = (g + 1) * group - h0 < nh ? (g + 1) * group - h0 : nh;
+                __m512 o[DECODE_HEADS(head_dim)][head_dim / 16];
+                for (int64_t k = 0; k < heads; k++)
+                    for (int64_t i = 0; i < head_dim / 16; i++)
+                        o[k][i] = _mm512_loadu_ps(acc + (h0 + k) * head_dim + i * 16);
+                for (int64_t t = t0; t < t1; t += 2) {
+                    prefetch_step(&pf);
+                    const uint16_t *row = vb + t * stride + g * head_dim;
+                    const int pair = t + 1 < t1; /* else the odd last key's partner is zero */
+                    __m512bh lo[nq], hi[nq];
+                    for (int64_t i = 0; i < nq; i++) {
+                        const __m512i x = _mm512_loadu_si512(row + i * 32);
+                        const __m512i y = pair ? _mm512_loadu_si512(row + stride + i * 32) : _mm512_setzero_si512();
+                        lo[i] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                        hi[i] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+                    }
+                    for (int64_t k = 0; k < heads; k++) {
+                        uint32_t word;
+                        memcpy(&word, p16 + (h0 + k) * p_stride + b * bs + t, sizeof word);
+                        const __m512bh p = pair_broadcast(pair ? word : word & 0xffff);
+                        for (int64_t i = 0; i < nq; i++) {
+                            o[k][2 * i] = _mm512_dpbf16_ps(o[k][2 * i], lo[i], p);
+                            o[k][2 * i + 1] = _mm512_dpbf16_ps(o[k][2 * i + 1], hi[i], p);
+                        }
+                    }
+                }
+                for (int64_t k = 0; k < heads; k++)
+                    for (int64_t i = 0; i < head_dim / 16; i++)
+                        _mm512_storeu_ps(acc + (h0 + k) * head_dim + i * 16, o[k][i]);
+            }
+    }
+#undef AHEAD
+    /* acc's vector 2i (2i + 1) holds dims 32i + 8L + 0..3 (+ 4..7) in lanes 4L + 0..3 of 128-bit lane L. */
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float inv = 1.0f / sums[h];
+        for (int64_t i = 0; i < nq; i++)
+            for (int64_t half = 0; half < 2; half++)
+                for (int64_t lane = 0; lane < 16; lane++)
+                    oh[h * head_dim + 32 * i + 8 * (lane / 4) + 4 * half + lane % 4] =
+                        acc[h * head_dim + (2 * i + half) * 16 + lane] * inv;
+    }
+}
+#endif
+
 /* format: KV_F32, KV_BF16, or KV_FP8 (e4m3 bytes, to be multiplied by k_scale and v_scale; else 1).
  * bf16_io: q and out are bfloat16 (q widened on entry, exactly; out rounded once), else float32.
  * Token t's query heads start at element t * q_stride of q (q_stride = heads * head_dim when q is
@@ -265,13 +426,16 @@ int paged_decode_attention(
     for (int64_t r = 0; r < n; r++)
         max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     int failed = 0;
+    /* bfloat16 queries over a bfloat16 cache: bf16 dot products where the CPU has them. */
+    const int bf16_dot = HAVE_BF16_DOT && bf16_io && format == KV_BF16 && head_dim % (2 * VL) == 0;
 
 #pragma omp parallel num_threads(num_threads)
     {
         /* Per thread: scores, acc, the query and output rows in float32 (bf16_io), one block of
-         * widened rows (fp8, bfloat16). */
+         * widened rows (fp8, bfloat16), or the bfloat16 numerators (bf16_dot). */
         float *scores = malloc(sizeof(float) * (num_heads * (max_len + head_dim) + 2 * q_size
-                                                + (format != KV_F32 ? block_size * kv.token_stride : 0)));
+                                                + (format != KV_F32 ? block_size * kv.token_stride : 0)
+                                                + (bf16_dot ? num_heads * (max_len + 2) / 2 + 1 : 0)));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -292,6 +456,25 @@ int paged_decode_attention(
                 qh = q32, oh = out32;
             }
             const int64_t *table = block_tables + r * table_stride;
+#if HAVE_BF16_DOT
+            if (bf16_dot) {
+                const uint16_t *q16 = (const uint16_t *)q + token_indices[r] * q_stride;
+                uint16_t *p16 = (uint16_t *)(buf + block_size * kv.token_stride);
+#define ATTEND(dim) \
+    attend_request_bf16(&kv, table, first, len, q16, out32, num_heads, group, dim, scale, scores, max_len, acc, p16)
+                if (head_dim == 64)
+                    ATTEND(64);
+                else if (head_dim == 128)
+                    ATTEND(128);
+                else
+                    ATTEND(head_dim);
+#undef ATTEND
+                uint16_t *o16 = (uint16_t *)out + token_indices[r] * q_size;
+                for (int64_t i = 0; i < q_size; i++)
+                    o16[i] = float_to_bf16(out32[i]);
+                continue;
+            }
+#endif
             /* Common head sizes get their own unrolled copy, for each cache type. */
 #define ATTEND(dim, fmt) \
     attend_request(&kv, table, first, len, qh, oh, num_heads, group, dim, scale * k_scale, v_scale, scores, \
@@ -609,7 +792,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
     WRITE_ROWS(bf16_io);
 }
 
-#if defined(__AVX512BF16__)
+#if HAVE_BF16_DOT
 /* A bfloat16 cache on a CPU with AVX-512 BF16: K and V stay bfloat16 when staged, and both
  * products run as bf16 pair dot products with float32 sums (vdpbf16ps: two multiply-adds per
  * lane and instruction). The probabilities are rounded to bfloat16 before p . V, as torch's own
@@ -617,9 +800,6 @@ static inline __attribute__((always_inline)) void prefill_tile(
  * Staged layouts, in 32-bit words that each hold a bfloat16 pair (low half first):
  *   K tile [head_dim / 2][KT]: word (d, t) = key t's dims 2d, 2d + 1 (a 32-bit slice of its cache row);
  *   V tile [KT / 2][head_dim]: word (t, d) = dim d of keys 2t, 2t + 1. */
-#include <immintrin.h>
-#define HAVE_BF16_DOT 1
-
 static inline __attribute__((always_inline)) void stage_kv_tile_bf16(
     const struct paged_kv *kv, const int64_t *table, int64_t j0, int64_t len, int64_t kvh, const int64_t head_dim,
     uint32_t *kt, uint32_t *vt)
@@ -647,9 +827,6 @@ static inline __attribute__((always_inline)) void stage_kv_tile_bf16(
             vpair[2 * d] = vrow[d];
     }
 }
-
-static inline __m512bh pair_broadcast(uint32_t word) { return (__m512bh)_mm512_set1_epi32((int)word); }
-static inline __m512bh load_pairs(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 /* The first nvec vectors of each row's p rounded to bfloat16 pairs (for nvec odd, with a vector of
  * zeros as the last one's partner). */
@@ -744,8 +921,6 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
     }
     WRITE_ROWS(1);
 }
-#else
-#define HAVE_BF16_DOT 0
 #endif
 #undef WRITE_ROWS
 #undef ROW_OFFSET
@@ -768,8 +943,8 @@ static inline float *staged_k(float *staged, const int64_t *stage_offset, const 
     return staged + stage_offset[r] + kvh * 2 * width * head_dim;
 }
 
-/* Whether paged_prefill_attention was built with its bfloat16 dot-product path. */
-int prefill_has_bf16_dot(void) { return HAVE_BF16_DOT; }
+/* Whether the kernels were built with their bfloat16 dot-product paths. */
+int has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
 /* Request r's new tokens are rows q_starts[r]..q_starts[r] + num_new[r] - 1 of q and out, at
  * positions seq_lens[r] - num_new[r] ... seq_lens[r] - 1; its K/V (the new tokens' included) are

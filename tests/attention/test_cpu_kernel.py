@@ -132,12 +132,43 @@ def test_queries_may_be_a_view_of_the_fused_qkv_output(dtype):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_bfloat16_queries_are_widened_and_outputs_rounded_as_torch_does(cache_dtype):
     """bfloat16 q and out go into the kernel as they are: the result is the float32 computation on
-    the widened queries, rounded to bfloat16 once (to nearest, ties to even), bit for bit."""
-    q, k_cache, v_cache, md = decode_case([1, 17, 700, 2500, 33], 16, 3, 9, 64, seed=4)
+    the widened queries, rounded to bfloat16 once (to nearest, ties to even), bit for bit; except
+    over a bfloat16 cache with bf16 dot products (head size 80 keeps this case off that path)."""
+    q, k_cache, v_cache, md = decode_case([1, 17, 700, 2500, 33], 16, 4, 4, 80, seed=4)
     q, k_cache, v_cache = (q * 3).bfloat16(), k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     in_bf16 = run_kernel(q, k_cache, v_cache, md, 0.125, None)
     in_float32 = run_kernel(q.float(), k_cache, v_cache, md, 0.125, None)
     assert in_bf16.dtype == torch.bfloat16 and torch.equal(in_bf16, in_float32.bfloat16())
+
+
+@pytest.mark.parametrize("window", [None, 1, 100, 4096])
+@pytest.mark.parametrize("kv_heads, heads, dim", [(3, 9, 64), (1, 8, 128), (4, 4, 80), (2, 16, 64)])
+def test_bfloat16_decode_matches_the_oracle_to_bfloat16_rounding(window, kv_heads, heads, dim):
+    # bfloat16 queries over a bfloat16 cache: with AVX-512 BF16 (and dim a multiple of 32) both
+    # products run in bf16 pairs and the probabilities are rounded to bfloat16 before p . V.
+    # Lengths cover a part block, odd and even key counts, and a window starting mid-block.
+    q, k_cache, v_cache, md = decode_case([1, 2, 17, 700, 2500, 33, 48], 16, kv_heads, heads, dim, seed=8)
+    q, k16, v16 = (q * 3).bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    out = run_kernel(q, k16, v16, md, dim**-0.5, window)
+    slots = md.slot_mapping
+    k, v = k16.float().view(-1, kv_heads, dim)[slots].clone(), v16.float().view(-1, kv_heads, dim)[slots].clone()
+    expected = torch_ref.paged_attention(q.float(), k, v, k16.float(), v16.float(), md, dim**-0.5, window)
+    err = (out.float() - expected).abs()
+    assert err.max().item() < 2e-2 and err.mean().item() < 2e-3  # outputs ~1: bfloat16's step there is 2^-7
+    in_float32 = run_kernel(q.float(), k16, v16, md, dim**-0.5, window).bfloat16()
+    assert (in_float32.float() - expected).abs().max().item() < 2e-2
+    # Where the bf16 path runs the two differ (sums in another order, rounded probabilities), so
+    # this case exercises it; except with a window of 1, where each query sees one key (p = 1) and
+    # both give that key's V exactly.
+    bf16_path = cpu_kernel.has_bf16_dot() and dim % 32 == 0
+    assert torch.equal(out, in_float32) == (not bf16_path or window == 1)
+
+
+def test_bfloat16_decode_does_not_depend_on_the_thread_count():
+    q, k_cache, v_cache, md = decode_case([300, 5, 1200, 64] * 4, 16, 3, 9, 64, seed=9)
+    q, k16, v16 = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    one, many = on_one_and_on_several_threads(lambda: run_kernel(q, k16, v16, md, 0.125, None))
+    assert torch.equal(one, many)
 
 
 def test_builds_once_and_reuses_the_cached_library(tmp_path, monkeypatch, fresh_load):
@@ -267,7 +298,7 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def test_the_bf16_dot_path_is_built_where_the_cpu_has_avx512_bf16():
-    assert cpu_kernel.prefill_has_bf16_dot() == cpu_has_avx512_bf16()
+    assert cpu_kernel.has_bf16_dot() == cpu_has_avx512_bf16()
 
 
 def bf16_prefill_case(kv_heads, heads, dim, seed):
@@ -290,7 +321,7 @@ def test_bfloat16_prefill_matches_the_oracle_to_bfloat16_rounding(window, kv_hea
     # of 1, where each row sees one key (p = 1) and both give that key's V exactly.
     in_float32 = run_prefill(q.float(), k16, v16, md, dim**-0.5, window).bfloat16()
     assert (in_float32.float() - expected).abs().max().item() < 2e-2
-    bf16_path = cpu_kernel.prefill_has_bf16_dot() and dim % 32 == 0
+    bf16_path = cpu_kernel.has_bf16_dot() and dim % 32 == 0
     assert torch.equal(out, in_float32) == (not bf16_path or window == 1)
 
 
