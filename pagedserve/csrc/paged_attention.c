@@ -165,6 +165,30 @@ static inline void prefetch_step(struct prefetcher *p)
         __builtin_prefetch(p->next);
 }
 
+#if defined(__AVX512F__)
+/* hsum of 16 vectors at once: lane t of the result is the sum of the lanes of the vector in slot
+ * KEY_SLOT(t), added in exactly hsum's order (lane i + lane i+8, then +4, +2, +1), so each sum has
+ * hsum's bits; a transposing tree of 45 shuffles and adds where 16 hsums take 112 and leave 16
+ * scalars. Slot s feeds lane 4 (s % 4) + s / 4 (the tree leaves its sums 4 x 4 transposed). */
+#define KEY_SLOT(t) (4 * ((t) % 4) + (t) / 4)
+static inline __m512 hsum16(const __m512 v[16])
+{
+    __m512 c[8], d[4], e[2];
+    for (int j = 0; j < 8; j++) /* 256-bit halves: [lanes 0-7 + 8-15 of v2j | of v2j+1] */
+        c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 4; k++) /* 128-bit lane L: lanes 0-3 + 4-7 of slot 4k + L */
+        d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int m = 0; m < 2; m++) { /* per 128-bit lane: + 2 apart */
+        const __m512d x = (__m512d)d[2 * m], y = (__m512d)d[2 * m + 1];
+        e[m] = _mm512_add_ps((__m512)_mm512_unpacklo_pd(x, y), (__m512)_mm512_unpackhi_pd(x, y));
+    }
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)), /* + 1 apart */
+                         _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 /* Attention of one request's query heads qh [num_heads, head_dim] over its keys first..len-1,
  * into oh. Query head h reads KV head h / group. Each block's K rows, then (in a second pass) its
  * V rows, all KV heads contiguous, are read once, in order, and reused from L1 by the heads that
@@ -198,6 +222,35 @@ static inline __attribute__((always_inline)) void attend_request(
     for (int64_t b = first_block; b < end_block; b++) {
         const int64_t t0 = span_start(b, first, bs), t1 = span_end(b, len, bs);
         const float *kb = block_at(kv->k_cache, table, b, t0, t1, bs, stride, format, buf);
+#if defined(__AVX512F__)
+        /* 16 keys at a time, their dot products summed by hsum16 (the same bits as one hsum each) */
+        struct prefetcher pf = prefetch_spread(AHEAD(b - first_block), block_bytes, num_heads * ((t1 - t0 + 15) / 16));
+        for (int64_t c0 = t0; c0 < t1; c0 += 16) {
+            const int nt = t1 - c0 < 16 ? (int)(t1 - c0) : 16;
+            const __mmask16 valid = (__mmask16)((1u << nt) - 1);
+            for (int64_t h = 0; h < num_heads; h++) {
+                prefetch_step(&pf);
+                vec q[nv];
+                for (int64_t i = 0; i < nv; i++)
+                    q[i] = load(qh + h * head_dim + i * VL);
+                const float *kh = kb + c0 * stride + (h / group) * head_dim;
+                __m512 part[16];
+                for (int t = 0; t < 16; t++) {
+                    vec prod = (vec){0};
+                    if (t < nt) {
+                        prod = q[0] * load(kh + t * stride);
+                        for (int64_t i = 1; i < nv; i++)
+                            prod += q[i] * load(kh + t * stride + i * VL);
+                    }
+                    part[KEY_SLOT(t)] = (__m512)prod;
+                }
+                const __m512 sv = _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + h * max_len + b * bs + c0, valid, sv);
+                const float m = _mm512_mask_reduce_max_ps(valid, sv);
+                maxima[h] = m > maxima[h] ? m : maxima[h];
+            }
+        }
+#else
         struct prefetcher pf = prefetch_spread(AHEAD(b - first_block), block_bytes, num_heads * (t1 - t0));
         for (int64_t h = 0; h < num_heads; h++) {
             vec q[nv];
@@ -215,6 +268,7 @@ static inline __attribute__((always_inline)) void attend_request(
             }
             maxima[h] = m;
         }
+#endif
     }
 
     /* Softmax numerators and their sums. */
@@ -259,30 +313,12 @@ static inline __attribute__((always_inline)) void attend_request(
 }
 
 #if HAVE_BF16_DOT
-/* Lane t of the result is the sum of v[t]'s lanes, for 16 vectors at once: a transposing tree of 45
- * shuffles and adds, where 16 horizontal sums would take 64 and leave 16 scalars. */
-static inline __m512 sum_lanes16(const __m512 v[16])
-{
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: [v2i, v2i+1, v2i, v2i+1] partial sums */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: v4i .. v4i+3, each summed over that lane */
-        const __m512d x = (__m512d)a[2 * i], y = (__m512d)a[2 * i + 1];
-        b[i] = _mm512_add_ps((__m512)_mm512_unpacklo_pd(x, y), (__m512)_mm512_unpackhi_pd(x, y));
-    }
-    for (int i = 0; i < 2; i++) /* then across the 128-bit lanes, pairwise */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* Query heads of one KV group per pass over a block's V rows: their sums stay in registers. */
 #define DECODE_HEADS(head_dim) ((head_dim) <= 64 ? 4 : 2)
 
 /* attend_request for bfloat16 queries over a bfloat16 cache, in bf16 pair dot products (the rows are
  * read as they lie in the cache, never widened into a buffer):
- *  - q . k: head_dim / 32 vdpbf16ps per key and query head, then sum_lanes16 over 16 keys at once;
+ *  - q . k: head_dim / 32 vdpbf16ps per key and query head, then hsum16 over 16 keys at once;
  *  - the softmax in float32, as attend_request; its numerators are then rounded to bfloat16 (p16),
  *    as torch's fused CPU attention rounds them in bfloat16, and the sums stay float32;
  *  - p . V: two keys' rows interleaved into pairs (vpunpck{l,h}wd), so each vdpbf16ps adds two
@@ -325,12 +361,13 @@ static inline __attribute__((always_inline)) void attend_request_bf16(
                 const uint16_t *kh = kb + c0 * stride + (h / group) * head_dim;
                 __m512 part[16];
                 for (int t = 0; t < 16; t++) {
-                    part[t] = _mm512_setzero_ps();
+                    __m512 dot = _mm512_setzero_ps();
                     if (t < nt)
                         for (int64_t i = 0; i < nq; i++)
-                            part[t] = _mm512_dpbf16_ps(part[t], load_pairs(kh + t * stride + i * 32), q[h][i]);
+                            dot = _mm512_dpbf16_ps(dot, load_pairs(kh + t * stride + i * 32), q[h][i]);
+                    part[KEY_SLOT(t)] = dot;
                 }
-                const __m512 s = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
+                const __m512 s = _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale));
                 _mm512_mask_storeu_ps(scores + h * max_len + b * bs + c0, valid, s);
                 const float m = _mm512_mask_reduce_max_ps(valid, s);
                 maxima[h] = m > maxima[h] ? m : maxima[h];
