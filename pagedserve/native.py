@@ -4,7 +4,8 @@ Each source is compiled with the system C compiler ($CC, else cc) to a shared li
 pagedserve's cache folder (`pagedserve/cache.py`), keyed by the text of every file in csrc (a
 source and the headers it includes), its flags, the compiler and the CPU's features, so that an
 edit or another machine never loads a stale build. Libraries link OpenMP: the process already has
-torch's libgomp loaded, so they share its thread pool.
+torch's libgomp loaded, so they share its thread pool. An engine on a CPU starts `build_ahead` first,
+so that a cold start compiles while it loads the model.
 
 Every call into a kernel goes through `call`, so that a `recording` can note the calls of a whole
 forward pass for replay in C (engine/cpu_graphs.py, csrc/replay.c).
@@ -13,12 +14,14 @@ forward pass for replay in C (engine/cpu_graphs.py, csrc/replay.c).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +32,14 @@ from pagedserve.cache import cache_dir
 CSRC = Path(__file__).with_name("csrc")
 # gnu11 for the vector extensions; fp-contract lets a * b + c become one fused multiply-add.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+# Each source with its flags. fused_ops: no fused multiply-add, as torch rounds each product before
+# the sum (models/fused_cpu.py).
+SOURCES = {
+    "paged_attention": FLAGS,
+    "linear": FLAGS,
+    "replay": FLAGS,
+    "fused_ops": [f for f in FLAGS if not f.startswith("-ffp-contract")] + ["-ffp-contract=off"],
+}
 
 
 class BuildError(RuntimeError):
@@ -49,8 +60,24 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def compile_source(name: str, compiler: str, flags: list[str] = FLAGS) -> Path:
-    """csrc/<name>.c compiled (or the cached build for this text, flags, compiler and CPU)."""
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _build_lock(name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(name, threading.Lock())
+
+
+def compile_source(name: str, compiler: str, flags: list[str] | None = None) -> Path:
+    """csrc/<name>.c compiled (or the cached build for this text, flags, compiler and CPU), with
+    SOURCES[name]'s flags by default. One build of a source at a time in a process: a second
+    caller waits for it (see `build_ahead`) and then finds it cached."""
+    with _build_lock(name):
+        return _compile(name, compiler, SOURCES[name] if flags is None else flags)
+
+
+def _compile(name: str, compiler: str, flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [f"{p.name}\n{p.read_text()}" for p in sorted(CSRC.iterdir()) if p.suffix in (".c", ".h")]
     key = hashlib.sha256("\0".join([name, *texts, *flags, version, cpu_features()]).encode()).hexdigest()[:16]
@@ -69,7 +96,30 @@ def compile_source(name: str, compiler: str, flags: list[str] = FLAGS) -> Path:
     return target
 
 
-def optional_library(name: str, fallback: str, flags: list[str] = FLAGS) -> ctypes.CDLL | None:
+@functools.cache
+def build_ahead() -> threading.Thread | None:
+    """Compile every source on a daemon thread, once per process, so that a cold start compiles
+    (about 10 s here, most of it paged_attention.c) while it reads the tokenizer and the weights
+    instead of after; a load waits for its source's build, or finds it cached. None where the
+    kernels are off (PAGEDSERVE_CPU_KERNEL=0) or there is no compiler. A failed build is left for
+    the load to report, with its fallback."""
+    compiler = find_compiler()
+    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0" or compiler is None:
+        return None
+
+    def build_all() -> None:
+        for name in SOURCES:
+            try:
+                compile_source(name, compiler)
+            except (BuildError, OSError, subprocess.CalledProcessError):
+                pass
+
+    thread = threading.Thread(target=build_all, name="pagedserve-build-ahead", daemon=True)
+    thread.start()
+    return thread
+
+
+def optional_library(name: str, fallback: str, flags: list[str] | None = None) -> ctypes.CDLL | None:
     """csrc/<name>.c loaded, or None: switched off with PAGEDSERVE_CPU_KERNEL=0 (silently), or
     unbuildable (with a warning naming the source and `fallback`, what runs instead)."""
     if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
@@ -81,7 +131,7 @@ def optional_library(name: str, fallback: str, flags: list[str] = FLAGS) -> ctyp
         return None
 
 
-def load_library(name: str, flags: list[str] = FLAGS) -> ctypes.CDLL:
+def load_library(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
     """csrc/<name>.c as a loaded library; BuildError if it cannot be built or loaded."""
     compiler = find_compiler()
     if compiler is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,37 @@ def test_a_recording_notes_every_call_in_order():
                 pass
     native.call(libc.abs, -6)
     assert [(fn.__name__, args) for fn, args in calls] == [("abs", (-4,)), ("labs", (5,))]
+
+
+def test_building_ahead_compiles_every_source_once_for_the_loads(cache, monkeypatch):
+    runs = []
+    real_run = native.subprocess.run
+
+    def counting_run(cmd, *args, **kwargs):
+        if "-shared" in cmd:
+            runs.append(Path(cmd[cmd.index("-o") - 1]).stem)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(native.subprocess, "run", counting_run)
+    native.build_ahead.cache_clear()
+    try:
+        thread = native.build_ahead()
+        assert thread is not None and native.build_ahead() is thread  # once per process
+        # Loads right away: each waits for the thread's build of its source, or takes it first.
+        libs = [native.load_library(name) for name in ("linear", "paged_attention")]
+        thread.join()
+    finally:
+        native.build_ahead.cache_clear()
+    assert all(lib is not None for lib in libs)
+    assert sorted(runs) == sorted(native.SOURCES)  # each source compiled once, by whoever came first
+    assert len(list(cache.glob("*.so"))) == len(native.SOURCES)
+
+
+def test_nothing_is_built_ahead_with_the_kernels_off(cache, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNEL", "0")
+    native.build_ahead.cache_clear()
+    try:
+        assert native.build_ahead() is None
+    finally:
+        native.build_ahead.cache_clear()
+    assert not cache.exists() or not list(cache.glob("*.so"))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve import native
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_messages import CoreStats, EngineCoreRequest, SampleOutput, TokenLogprobs
 from pagedserve.engine.executor import Executor, ExecutorFailed, make_executor
@@ -98,6 +99,8 @@ class EngineCore:
         `tokenizer`'s vocabulary compiles grammars; without one, the first constrained request
         loads the checkpoint's."""
         self.config = config
+        if config.device == "cpu":
+            native.build_ahead()  # a cold start compiles the C kernels while the weights load
         self.executor = executor or make_executor(config, model)
         self.model_config = model_config = self.executor.model_config
         model_max_len = model_config.max_position_embeddings

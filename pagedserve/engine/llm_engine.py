@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 
+from pagedserve import native
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore, EngineStats
 from pagedserve.engine.core_messages import EngineCoreRequest
@@ -31,6 +32,8 @@ class LLMEngine:
         from pagedserve.models.loader import load_tokenizer
 
         self.config = config = config or EngineConfig()
+        if config.device == "cpu":
+            native.build_ahead()  # a cold start compiles the C kernels while the tokenizer loads
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         self.core = EngineCore(config, eos_token_ids=tokenizer_eos_ids(self.tokenizer), model=model,
                                tokenizer=self.tokenizer)

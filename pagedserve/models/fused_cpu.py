@@ -19,14 +19,12 @@ from torch import Tensor
 
 from pagedserve import native
 
-# No fused multiply-add: torch rounds each product before the sum, and so must these.
-FLAGS = [f for f in native.FLAGS if not f.startswith("-ffp-contract")] + ["-ffp-contract=off"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    lib = native.optional_library("fused_ops", "norms, SiLU and RoPE run in torch", FLAGS)
+    lib = native.optional_library("fused_ops", "norms, SiLU and RoPE run in torch")
     if lib is None:
         return None
     ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
