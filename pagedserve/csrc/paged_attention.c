@@ -165,6 +165,31 @@ static inline void prefetch_step(struct prefetcher *p)
         __builtin_prefetch(p->next);
 }
 
+/* Blocks are read in the order K first_block..end_block-1, then V the same (num_blocks each); while
+ * the i-th of that order is read, the block about PREFETCH_AHEAD bytes further on is asked for:
+ * this one (NULL past the end). */
+static inline const void *ahead_block(const struct paged_kv *kv, const int64_t *table, int64_t first_block,
+                                      int64_t num_blocks, int64_t block_bytes, int64_t i)
+{
+    const int64_t j = i + (PREFETCH_AHEAD + block_bytes - 1) / block_bytes;
+    if (j >= 2 * num_blocks)
+        return NULL;
+    const char *cache = j < num_blocks ? kv->k_cache : kv->v_cache;
+    return cache + table[first_block + j % num_blocks] * block_bytes;
+}
+
+/* sh[j] = exp(sh[j] - m) for j in first..len-1; returns their sum. */
+static inline __attribute__((always_inline)) float softmax_numerators(float *sh, int64_t first, int64_t len, float m)
+{
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = first; j < len; j++) {
+        sh[j] = fast_exp(sh[j] - m);
+        sum += sh[j];
+    }
+    return sum;
+}
+
 #if defined(__AVX512F__)
 /* hsum of 16 vectors at once: lane t of the result is the sum of the lanes of the vector in slot
  * KEY_SLOT(t), added in exactly hsum's order (lane i + lane i+8, then +4, +2, +1), so each sum has
@@ -187,6 +212,17 @@ static inline __m512 hsum16(const __m512 v[16])
     return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)), /* + 1 apart */
                          _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+
+/* The scores of up to 16 keys (the lanes in `valid`) from their dot products' vectors (slot
+ * KEY_SLOT(t) for key t): summed, scaled, stored at sh, and folded into the running maximum *m. */
+static inline void store_scores16(const __m512 part[16], float scale, __mmask16 valid, float *sh, float *m)
+{
+    const __m512 s = _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(sh, valid, s);
+    const float top = _mm512_mask_reduce_max_ps(valid, s);
+    *m = top > *m ? top : *m;
+}
+
 #endif
 
 /* Attention of one request's query heads qh [num_heads, head_dim] over its keys first..len-1,
@@ -207,16 +243,8 @@ static inline __attribute__((always_inline)) void attend_request(
     float maxima[num_heads], sums[num_heads];
     for (int64_t h = 0; h < num_heads; h++)
         maxima[h] = -INFINITY;
-    /* Blocks are read in the order K first_block..end_block-1, then V the same; while one is read,
-     * the one `ahead` places further on is asked for, about PREFETCH_AHEAD bytes ahead. AHEAD(i) is
-     * that block for the i-th of the order (NULL past the end). */
     const int64_t num_blocks = end_block - first_block;
-    const int64_t ahead = (PREFETCH_AHEAD + block_bytes - 1) / block_bytes;
-#define AHEAD(i)                                                                                  \
-    ((i) + ahead >= 2 * num_blocks ? NULL                                                         \
-     : (i) + ahead < num_blocks                                                                   \
-         ? (const char *)kv->k_cache + table[first_block + (i) + ahead] * block_bytes              \
-         : (const char *)kv->v_cache + table[first_block + (i) + ahead - num_blocks] * block_bytes)
+#define AHEAD(i) ahead_block(kv, table, first_block, num_blocks, block_bytes, i)
 
     /* Scores, block by block, and each query head's maximum. */
     for (int64_t b = first_block; b < end_block; b++) {
@@ -244,10 +272,7 @@ static inline __attribute__((always_inline)) void attend_request(
                     }
                     part[KEY_SLOT(t)] = (__m512)prod;
                 }
-                const __m512 sv = _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale));
-                _mm512_mask_storeu_ps(scores + h * max_len + b * bs + c0, valid, sv);
-                const float m = _mm512_mask_reduce_max_ps(valid, sv);
-                maxima[h] = m > maxima[h] ? m : maxima[h];
+                store_scores16(part, scale, valid, scores + h * max_len + b * bs + c0, &maxima[h]);
             }
         }
 #else
@@ -272,16 +297,8 @@ static inline __attribute__((always_inline)) void attend_request(
     }
 
     /* Softmax numerators and their sums. */
-    for (int64_t h = 0; h < num_heads; h++) {
-        float *sh = scores + h * max_len, sum = 0.0f;
-        const float m = maxima[h];
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = first; j < len; j++) {
-            sh[j] = fast_exp(sh[j] - m);
-            sum += sh[j];
-        }
-        sums[h] = sum;
-    }
+    for (int64_t h = 0; h < num_heads; h++)
+        sums[h] = softmax_numerators(scores + h * max_len, first, len, maxima[h]);
 
     /* Probability-weighted sum of V, normalised at the end. */
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
@@ -333,7 +350,6 @@ static inline __attribute__((always_inline)) void attend_request_bf16(
     const int64_t bs = kv->block_size, stride = kv->token_stride, nq = head_dim / 32;
     const int64_t first_block = first / bs, end_block = (len + bs - 1) / bs, p_stride = max_len + 2;
     const int64_t block_bytes = bs * stride * 2, num_blocks = end_block - first_block;
-    const int64_t ahead = (PREFETCH_AHEAD + block_bytes - 1) / block_bytes;
     const uint16_t *k_cache = kv->k_cache, *v_cache = kv->v_cache;
     float maxima[num_heads], sums[num_heads];
     __m512bh q[num_heads][nq];
@@ -342,10 +358,7 @@ static inline __attribute__((always_inline)) void attend_request_bf16(
         for (int64_t i = 0; i < nq; i++)
             q[h][i] = load_pairs(q16 + h * head_dim + i * 32);
     }
-#define AHEAD(i)                                                                              \
-    ((i) + ahead >= 2 * num_blocks ? NULL                                                     \
-     : (i) + ahead < num_blocks ? (const char *)kv->k_cache + table[first_block + (i) + ahead] * block_bytes \
-                                : (const char *)kv->v_cache + table[first_block + (i) + ahead - num_blocks] * block_bytes)
+#define AHEAD(i) ahead_block(kv, table, first_block, num_blocks, block_bytes, i)
 
     /* Scores, 16 keys of a block at a time, and each query head's maximum. */
     for (int64_t b = first_block; b < end_block; b++) {
@@ -367,24 +380,15 @@ static inline __attribute__((always_inline)) void attend_request_bf16(
                             dot = _mm512_dpbf16_ps(dot, load_pairs(kh + t * stride + i * 32), q[h][i]);
                     part[KEY_SLOT(t)] = dot;
                 }
-                const __m512 s = _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale));
-                _mm512_mask_storeu_ps(scores + h * max_len + b * bs + c0, valid, s);
-                const float m = _mm512_mask_reduce_max_ps(valid, s);
-                maxima[h] = m > maxima[h] ? m : maxima[h];
+                store_scores16(part, scale, valid, scores + h * max_len + b * bs + c0, &maxima[h]);
             }
         }
     }
 
     /* Softmax numerators, their float32 sums, and the numerators in bfloat16. */
     for (int64_t h = 0; h < num_heads; h++) {
-        float *sh = scores + h * max_len, sum = 0.0f;
-        const float m = maxima[h];
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = first; j < len; j++) {
-            sh[j] = fast_exp(sh[j] - m);
-            sum += sh[j];
-        }
-        sums[h] = sum;
+        float *sh = scores + h * max_len;
+        sums[h] = softmax_numerators(sh, first, len, maxima[h]);
         for (int64_t j = first; j < len; j += 16) {
             const __mmask16 valid = (__mmask16)(len - j < 16 ? (1u << (len - j)) - 1 : 0xffff);
             const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, sh + j));
