@@ -475,8 +475,8 @@ int paged_decode_attention(
         /* Per thread: scores, acc, the query and output rows in float32 (bf16_io), one block of
          * widened rows (fp8, bfloat16), or the bfloat16 numerators (bf16_dot). */
         float *scores = malloc(sizeof(float) * (num_heads * (max_len + head_dim) + 2 * q_size
-                                                + (format != KV_F32 ? block_size * kv.token_stride : 0)
-                                                + (bf16_dot ? num_heads * (max_len + 2) / 2 + 1 : 0)));
+                                                + (bf16_dot ? num_heads * (max_len + 2) / 2 + 1
+                                                   : format != KV_F32 ? block_size * kv.token_stride : 0)));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -500,7 +500,7 @@ int paged_decode_attention(
 #if HAVE_BF16_DOT
             if (bf16_dot) {
                 const uint16_t *q16 = (const uint16_t *)q + token_indices[r] * q_stride;
-                uint16_t *p16 = (uint16_t *)(buf + block_size * kv.token_stride);
+                uint16_t *p16 = (uint16_t *)buf; /* the numerators take the widened block's place */
 #define ATTEND(dim) \
     attend_request_bf16(&kv, table, first, len, q16, out32, num_heads, group, dim, scale, scores, max_len, acc, p16)
                 if (head_dim == 64)
