@@ -39,7 +39,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     madvise = _madvise()
     if madvise is None or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # fresh, untouched pages
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # fresh pages where past heap.MMAP_THRESHOLD
     offset = -raw.data_ptr() % HUGE_PAGE
     region = raw[offset:offset + nbytes]
     madvise(region.data_ptr(), nbytes - nbytes % HUGE_PAGE, MADV_HUGEPAGE)  # advice only: a refusal is harmless

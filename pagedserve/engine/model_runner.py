@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve import heap
 from pagedserve.attention import get_backend
 from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache, copy_blocks
 from pagedserve.attention.metadata import AttentionMetadata
@@ -67,6 +68,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
+        if self.device.type == "cpu":
+            heap.keep_freed_memory()  # each step's temporaries reuse the last step's pages
         self.kv_caches: list[KVCache] = []
         # Chosen once; it builds each step's metadata, and the model's attention layers run it.
         self.attention_backend = get_backend(config.attention_backend)
