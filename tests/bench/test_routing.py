@@ -1,6 +1,6 @@
 """`pagedserve bench routing`: the table it prints, and one small run end to
-end on a local Ray instance of its own (the embedded model; Ray Serve LLM's router and pagedserve's,
-as test_ray_app runs Ray Serve's default)."""
+end on a local Ray instance of its own (the embedded model, Ray Serve LLM's router; test_ray_app
+runs Ray Serve's default and pagedserve's)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,11 @@ def test_the_table_gives_each_router_its_mean_spread_and_ratio_to_the_default():
 
 @pytest.mark.timeout(600)
 def test_a_small_run_end_to_end():
-    rows = run_routing_bench(routers=("prefix-cache-affinity", "prefix-aware"), num_prompts=2, prompt_len=64,
-                             requests_per_prompt=4, concurrency=2)
-    assert [r["router"] for r in rows] == ["prefix-cache-affinity", "prefix-aware"]
-    for r in rows:
-        assert 0.0 <= r["hit_rate"] <= 1.0 and r["seconds"] > 0
-        assert len(r["requests_per_replica"]) == 2 and sum(r["requests_per_replica"]) >= 8
+    # Ray Serve LLM's router alone: test_ray_app runs the default and pagedserve's routers on the
+    # same machinery, and each router here costs a deployment of two replicas (about 20 s).
+    (row,) = run_routing_bench(routers=("prefix-cache-affinity",), num_prompts=2, prompt_len=64,
+                               requests_per_prompt=4, concurrency=2)
+    assert row["router"] == "prefix-cache-affinity" and row["seconds"] > 0
+    assert len(row["requests_per_replica"]) == 2 and sum(row["requests_per_replica"]) >= 8
     # Each prompt's first request misses; what can hit is 6 x 64 of 8 x 80 prompt tokens.
-    assert rows[1]["hit_rate"] <= 6 * 64 / (8 * 80)
-    assert rows[1]["hit_rate"] > 0
+    assert 0 < row["hit_rate"] <= 6 * 64 / (8 * 80)

@@ -64,14 +64,30 @@ def ray_serve():
         ray.shutdown()
 
 
-def deploy(url: str, checkpoint: str, **options) -> str:
+deployed = {"name": None}  # what the last deploy() ran, for fixtures that reuse it
+
+
+def deploy(url: str, checkpoint: str, name: str | None = None, **options) -> str:
     config = EngineConfig(model=checkpoint, **options.pop("engine", {}))
     serve.run(build_ray_app(config, MODEL, **options), name=APP_NAME, route_prefix="/")
+    deployed["name"] = name
     return url
 
 
-def test_the_openai_client_works_through_the_ingress(ray_serve, checkpoint):
-    url = deploy(ray_serve, checkpoint, api_key=KEY, num_replicas=2, engine={"num_kv_blocks": 128})
+@pytest.fixture
+def two_replicas(ray_serve, checkpoint) -> str:
+    """Two replicas behind a keyed ingress, shared by the tests that leave them as they found them
+    (a deployment costs about 20 s here) and deployed again after any other: two running and two
+    queued requests per replica (max_ongoing_requests is 2 x max_num_seqs)."""
+    if deployed["name"] != "two_replicas" or APP_NAME not in serve.status().applications:
+        serve.delete(APP_NAME)
+        deploy(ray_serve, checkpoint, "two_replicas", api_key=KEY, num_replicas=2,
+               engine={"num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 2})
+    return ray_serve
+
+
+def test_the_openai_client_works_through_the_ingress(two_replicas, checkpoint):
+    url = two_replicas
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     with LLM(checkpoint, num_kv_blocks=128) as offline:
         expected = offline.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0),
@@ -115,8 +131,53 @@ def test_the_openai_client_works_through_the_ingress(ray_serve, checkpoint):
     assert {k.rsplit(":", 1)[1] for k in metrics if k.startswith("pagedserve:router_replica_queue_length:")} == replicas
 
 
+def test_a_killed_replica_fails_what_it_streamed_retries_what_it_did_not_and_serve_brings_it_back(two_replicas):
+    url = two_replicas  # two running and two queued requests per replica
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    wait_until_routable(url, client, 2)
+    replicas = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == "serve" and "EngineReplica" in a["name"]]
+    assert len(replicas) == 2
+    streaming = threading.Semaphore(0)
+
+    def long_request(i: int) -> str:
+        try:
+            stream = client.completions.create(model=MODEL, prompt=[5 + i, 6, 7, 8], max_tokens=1000,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+            finish = None
+            for n, chunk in enumerate(stream):
+                if n == 0:
+                    streaming.release()
+                finish = chunk.choices[0].finish_reason or finish
+            return f"done {finish}"
+        except Exception as e:  # noqa: BLE001 (what the client sees is the point)
+            return f"error {e}"
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(long_request, i) for i in range(8)]
+        for _ in range(4):  # both replicas' running requests have streamed
+            assert streaming.acquire(timeout=60)
+        ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=False)
+        results = [f.result(timeout=180) for f in futures]
+    failed = [r for r in results if r.startswith("error")]
+    # The killed replica's two streams fail; its two queued requests, which had streamed nothing,
+    # finish on the other replica.
+    assert len(failed) == 2, results
+    assert all("the replica serving this request failed: The actor died" in r for r in failed), failed
+    assert results.count("done length") == 6, results
+    deadline = time.monotonic() + 90
+    while running_replicas() < 2:
+        assert time.monotonic() < deadline, "Serve did not bring the replica back"
+        time.sleep(0.5)
+    assert client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2).choices[0].finish_reason
+
+
+def replica_states() -> dict[str, int]:
+    return serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states
+
+
 def running_replicas() -> int:
-    return serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
+    return replica_states().get("RUNNING", 0)
 
 
 def wait_until_routable(url: str, client: openai.OpenAI, replicas: int, timeout: float = 60.0) -> None:
@@ -185,51 +246,6 @@ def test_serve_ray_without_ray_installed_prints_the_pip_command():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "pip install 'pagedserve[ray]'" in result.stderr
-
-
-def test_a_killed_replica_fails_what_it_streamed_retries_what_it_did_not_and_serve_brings_it_back(ray_serve,
-                                                                                                  checkpoint):
-    serve.delete(APP_NAME)
-    # Two running and two queued requests per replica (max_ongoing_requests is 2 x max_num_seqs).
-    url = deploy(ray_serve, checkpoint, num_replicas=2,
-                 engine={"num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 2})
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    wait_until_routable(url, client, 2)
-    replicas = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["namespace"] == "serve" and "EngineReplica" in a["name"]]
-    assert len(replicas) == 2
-    streaming = threading.Semaphore(0)
-
-    def long_request(i: int) -> str:
-        try:
-            stream = client.completions.create(model=MODEL, prompt=[5 + i, 6, 7, 8], max_tokens=1000,
-                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
-            finish = None
-            for n, chunk in enumerate(stream):
-                if n == 0:
-                    streaming.release()
-                finish = chunk.choices[0].finish_reason or finish
-            return f"done {finish}"
-        except Exception as e:  # noqa: BLE001 (what the client sees is the point)
-            return f"error {e}"
-
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(long_request, i) for i in range(8)]
-        for _ in range(4):  # both replicas' running requests have streamed
-            assert streaming.acquire(timeout=60)
-        ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=False)
-        results = [f.result(timeout=180) for f in futures]
-    failed = [r for r in results if r.startswith("error")]
-    # The killed replica's two streams fail; its two queued requests, which had streamed nothing,
-    # finish on the other replica.
-    assert len(failed) == 2, results
-    assert all("the replica serving this request failed: The actor died" in r for r in failed), failed
-    assert results.count("done length") == 6, results
-    deadline = time.monotonic() + 90
-    while running_replicas() < 2:
-        assert time.monotonic() < deadline, "Serve did not bring the replica back"
-        time.sleep(0.5)
-    assert client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2).choices[0].finish_reason
 
 
 def test_sigterm_takes_serve_ray_down_leaving_no_ray_process(ray_serve, checkpoint):
@@ -303,12 +319,17 @@ def test_autoscale_adds_a_replica_under_load(ray_serve, checkpoint):
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(stream_until_stopped, i) for i in range(6)]
         deadline = time.monotonic() + 180
-        while running_replicas() < 2:
+        while sum(replica_states().values()) < 2:  # until Serve decides to add one
             assert time.monotonic() < deadline, "Serve did not add a replica"
             assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
             time.sleep(1.0)
+        # The load can stop now (Serve keeps a replica for 10 minutes before it scales down): the
+        # new replica then starts in seconds instead of competing with six streams for two cores.
         stop.set()
         assert all(f.result(timeout=120) >= 1 for f in futures)
+    while running_replicas() < 2:
+        assert time.monotonic() < deadline, f"the added replica did not start: {replica_states()}"
+        time.sleep(0.5)
 
 
 def still_running(processes: list[psutil.Process]) -> list[str]:
