@@ -8,8 +8,12 @@ import torch
 
 from pagedserve.attention import get_backend
 from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache
+from pagedserve.config import EngineConfig
 from pagedserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.entrypoints.llm import LLM
 from pagedserve.models.loader import load_model
+from pagedserve.sampling_params import SamplingParams
 
 
 def test_capture_sizes_cover_max_num_seqs():
@@ -58,3 +62,32 @@ def check_padded_decode(model, config):
     assert got.shape == expected.shape and (got - expected).abs().max().item() < 1e-5
     for cache, ref in zip(caches, ref_caches):  # the padded rows wrote no slot
         assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
+
+
+def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_checkpoint, embedded_tokenizer):
+    # A tiny model: the interpreter runs every kernel program in Python (the embedded model's
+    # shapes are test_triton_paged's), yet the engine's whole path: prompts, then decode steps
+    # through the graphs' static buffers (sizes 1, 2, 4), run eagerly.
+    path, _ = tiny_checkpoint("llama")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(3, 128, (n,), generator=gen).tolist()} for n in (5, 21, 40)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def make_llm(**options) -> LLM:
+        config = EngineConfig(model=str(path), num_kv_blocks=64, **options)
+        return LLM.from_engine(LLMEngine(config, tokenizer=embedded_tokenizer))
+
+    with make_llm(attention_backend="torch") as torch_llm:
+        expected = [o.outputs[0].token_ids for o in torch_llm.generate(prompts, params, use_tqdm=False)]
+    with make_llm(attention_backend="triton", max_num_seqs=3) as triton_llm:
+        engine = triton_llm.llm_engine
+        assert engine.config.attention_backend == "triton"
+        runner = engine.runner
+        runner.capture_decode_graphs(engine.max_model_len, capture=False)
+        graph_steps = []
+        run = runner.decode_graphs.run
+        runner.decode_graphs.run = lambda ids, md: graph_steps.append(md.num_reqs) or run(ids, md)
+        got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params, use_tqdm=False)]
+        assert runner.decode_graphs.sizes == [1, 2, 4] and 3 in graph_steps  # 3 decodes padded to 4
+        assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert got == expected

@@ -142,23 +142,6 @@ def test_reset_prefix_cache_makes_the_next_run_cold(embedded_model, embedded_tok
     assert_all_free(llm)
 
 
-def test_triton_backend_under_the_interpreter_gives_the_same_tokens(embedded_model, embedded_tokenizer, prompts):
-    # TRITON_INTERPRET=1 (conftest): the kernels run on CPU tensors, slowly, so few short prompts.
-    short = sorted(prompts, key=len)[:2]
-    torch_llm = make_llm(embedded_model, embedded_tokenizer, attention_backend="torch")
-    triton_llm = make_llm(embedded_model, embedded_tokenizer, attention_backend="triton", max_num_seqs=3)
-    assert triton_llm.llm_engine.config.attention_backend == "triton"
-    # Decode steps go through the CUDA-graph path's static buffers (sizes 1, 2, 4), run eagerly here.
-    runner = triton_llm.llm_engine.runner
-    runner.capture_decode_graphs(triton_llm.llm_engine.max_model_len, capture=False)
-    graph_steps = []
-    run = runner.decode_graphs.run
-    runner.decode_graphs.run = lambda ids, md: graph_steps.append(md.num_reqs) or run(ids, md)
-    assert generate_ids(triton_llm, short, max_tokens=4) == generate_ids(torch_llm, short, max_tokens=4)
-    assert graph_steps and runner.decode_graphs.sizes == [1, 2, 4]
-    assert_all_free(triton_llm)
-
-
 def test_small_token_budget_chunks_every_prompt(embedded_model, embedded_tokenizer, prompts, reference):
     llm = make_llm(embedded_model, embedded_tokenizer, max_num_batched_tokens=7)
     assert min(len(p) for p in prompts) > 7
