@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def log_uniform(rng: random.Random, low: int, high: int) -> int:
@@ -45,6 +45,12 @@ class Workload:
     def describe(self) -> str:
         return (f"{self.name}: {len(self.requests)} requests, {self.num_prompt_tokens:,} prompt + "
                 f"{self.num_output_tokens:,} output tokens")
+
+    def with_output_len(self, output_len: int) -> Workload:
+        """The same prompts, each generating exactly `output_len` tokens (1: the prompts alone)."""
+        if output_len < 1:
+            raise ValueError(f"output_len must be at least 1, got {output_len}")
+        return Workload(f"{self.name}-out{output_len}", [replace(r, output_len=output_len) for r in self.requests])
 
     def to_json(self) -> dict:
         return {"name": self.name, "requests": [

@@ -254,6 +254,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     from pagedserve.config import resolve_dtype
 
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
+    if args.output_len is not None:
+        workload = workload.with_output_len(args.output_len)
     print(workload.describe())
     results = run_throughput_bench(
         workload, args.systems.split(","), reps=args.reps, hf_batch_sizes=tuple(args.hf_batch_sizes),
@@ -547,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--systems", default="pagedserve,hf-static,hf-cb,vllm,llamacpp")
     thr.add_argument("--num-requests", type=int, default=64)
     thr.add_argument("--seed", type=int, default=0)
+    thr.add_argument("--output-len", type=positive(int), default=None,
+                     help="every request generates exactly this many tokens, its prompt unchanged (1: prompts alone)")
     thr.add_argument("--reps", type=int, default=3)
     thr.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32, 64])
     thr.add_argument("--max-num-seqs", type=int, default=256)

@@ -1,5 +1,7 @@
 from collections import Counter
 
+import pytest
+
 from pagedserve.bench.workload import WORKLOADS, parallel_sampling, shared_prefix, sharegpt_like, system_prompts
 
 
@@ -43,3 +45,12 @@ def test_system_prompts_are_each_behind_equally_many_requests_with_their_own_suf
     firsts = list(dict.fromkeys(tuple(r[:32]) for r in requests))
     assert [firsts.index(tuple(r[:32])) for r in requests] != [i % 4 for i in range(20)]  # shuffled
     assert system_prompts(4, 5, seed=2, prompt_len=32, suffix_len=3).requests != w.requests
+
+
+def test_a_fixed_output_length_keeps_the_prompts():
+    base = sharegpt_like(16, seed=3)
+    prompts_alone = base.with_output_len(1)
+    assert [r.prompt_token_ids for r in prompts_alone.requests] == [r.prompt_token_ids for r in base.requests]
+    assert prompts_alone.num_output_tokens == 16 and prompts_alone.name == "sharegpt-like-out1"
+    with pytest.raises(ValueError, match="at least 1"):
+        base.with_output_len(0)
