@@ -327,6 +327,7 @@ def test_autoscale_adds_a_replica_under_load(ray_serve, checkpoint):
         # new replica then starts in seconds instead of competing with six streams for two cores.
         stop.set()
         assert all(f.result(timeout=120) >= 1 for f in futures)
+    deadline = time.monotonic() + 120
     while running_replicas() < 2:
         assert time.monotonic() < deadline, f"the added replica did not start: {replica_states()}"
         time.sleep(0.5)
