@@ -248,14 +248,18 @@ def test_serve_ray_without_ray_installed_prints_the_pip_command():
     assert "pip install 'pagedserve[ray]'" in result.stderr
 
 
-def test_sigterm_takes_serve_ray_down_leaving_no_ray_process(ray_serve, checkpoint):
-    """`pagedserve serve --ray` starts a Ray instance of its own (not the one this module runs) and
-    takes it down whole on SIGTERM: every process it started exits."""
+def test_serve_ray_runs_a_tensor_parallel_replica_and_sigterm_takes_it_all_down(checkpoint):
+    """`pagedserve serve --ray` starts a Ray instance of its own (not the one this module runs);
+    its replica here is a tensor-parallel engine with a worker process of its own. SIGTERM takes
+    the whole instance down: every process it started exits, the replica's worker too."""
+    with LLM(checkpoint, num_kv_blocks=64) as offline:
+        expected = offline.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0),
+                                    use_tqdm=False)[0].outputs[0].text
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--ray", "--model",
-                               checkpoint, "--port", str(port), "--num-kv-blocks", "64"],
+                               checkpoint, "--port", str(port), "--num-kv-blocks", "64", "--tensor-parallel-size", "2"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -269,10 +273,15 @@ def test_sigterm_takes_serve_ray_down_leaving_no_ray_process(ray_serve, checkpoi
             assert time.monotonic() < deadline, "serve --ray did not start"
             time.sleep(0.5)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                           json={"model": checkpoint, "prompt": "Hi", "max_tokens": 3}).json()
-        assert reply["usage"]["completion_tokens"] == 3
+                           json={"model": checkpoint, "prompt": "The capital of France is", "max_tokens": 12,
+                                 "temperature": 0}).json()
+        assert reply["choices"][0]["text"] == expected
         started = psutil.Process(server.pid).children(recursive=True)
         assert {"raylet", "gcs_server"} <= {p.name() for p in started}
+        replica = next(p for p in started if p.name() == "ray::ServeReplica:pagedserve:EngineReplica")
+        spawned = [c for c in replica.children(recursive=True) if "--multiprocessing-fork" in c.cmdline()]
+        (core,) = [c for c in spawned if c.ppid() == replica.pid]  # the replica's engine core
+        assert [c.ppid() for c in spawned if c is not core] == [core.pid]  # and its rank-1 worker
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=90) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 30
@@ -282,18 +291,6 @@ def test_sigterm_takes_serve_ray_down_leaving_no_ray_process(ray_serve, checkpoi
     finally:
         if server.poll() is None:
             server.kill()
-
-
-def test_a_replica_is_a_tensor_parallel_engine_with_its_own_workers(ray_serve, checkpoint):
-    serve.delete(APP_NAME)
-    url = deploy(ray_serve, checkpoint, num_replicas=1, replica_cpus=2,
-                 engine={"num_kv_blocks": 64, "tensor_parallel_size": 2})
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    with LLM(checkpoint, num_kv_blocks=64) as offline:
-        expected = offline.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0),
-                                    use_tqdm=False)[0].outputs[0].text
-    got = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
-    assert got.choices[0].text == expected
 
 
 def test_autoscale_adds_a_replica_under_load(ray_serve, checkpoint):
