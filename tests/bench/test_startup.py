@@ -6,7 +6,10 @@ import shutil
 from pagedserve.bench.startup import format_table, run_startup_bench
 
 
-def test_cold_then_warm_starts_each_reach_a_first_token(tiny_checkpoint, embedded_tokenizer, tmp_path):
+def test_cold_then_warm_starts_each_reach_a_first_token(tiny_checkpoint, embedded_tokenizer, tmp_path, monkeypatch):
+    # The C kernels off: a cold start would compile them (test_native.py covers building), which
+    # is most of this test's time and none of what it checks.
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNEL", "0")
     path = tmp_path / "tiny"
     shutil.copytree(tiny_checkpoint("llama")[0], path)
     embedded_tokenizer.save_pretrained(path)  # LLM() loads the checkpoint's tokenizer
