@@ -12,10 +12,12 @@ Only local files are read; nothing is downloaded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,7 @@ class _GGUFDamage(Exception):
     """What check_gguf's reader found wrong, in words."""
 
 
+@functools.cache
 def _checked_gguf_reader() -> type:
     """gguf's GGUFReader (gguf==0.19.0), made to refuse what lies past the end of the file: the
     stock reader silently returns short arrays there and fails later on an unrelated error, or
@@ -166,7 +169,8 @@ def load_model(
     net = DecoderForCausalLM.empty(config, dtype, device, tp)
     if _is_gguf(path):  # dequantized once, then read back from the cache (gguf_cache.py)
         tensors = gguf_cache.cached(path, f"model-{str(dtype).removeprefix('torch.')}", _cached_safetensors,
-                                    lambda: dict(_gguf_tensors(path, hf_config, dtype)), _save_safetensors)
+                                    _converting(lambda: dict(_gguf_tensors(path, hf_config, dtype))),
+                                    _save_safetensors)
         tensors = tensors.items() if isinstance(tensors, dict) else tensors
     else:
         tensors = _safetensors_tensors(Path(path))
@@ -181,7 +185,7 @@ def load_tokenizer(model: str | None = None) -> Any:
     path = Path(resolve_model_path(model))
     if _is_gguf(str(path)):
         return gguf_cache.cached(str(path), "tokenizer", lambda d: AutoTokenizer.from_pretrained(str(d)),
-                                 lambda: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name),
+                                 _converting(lambda: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)),
                                  lambda tokenizer, d: tokenizer.save_pretrained(str(d)))
     return AutoTokenizer.from_pretrained(str(path))
 
@@ -236,7 +240,7 @@ def _hf_config(path: str) -> Any:
     if _is_gguf(path):
         p = Path(path)
         return gguf_cache.cached(path, "config", lambda d: AutoConfig.from_pretrained(str(d)),
-                                 lambda: AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name),
+                                 _converting(lambda: AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)),
                                  lambda config, d: config.save_pretrained(str(d)))
     # Check the architecture before transformers does, so the error names what we support.
     raw = _read_json_object(Path(path) / "config.json")
@@ -311,6 +315,31 @@ def _save_safetensors(tensors: dict[str, Tensor], folder: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(folder / "model.safetensors"))
+
+
+_CONVERSION_LOCK = threading.Lock()
+
+
+def _converting(make: Callable[[], Any]) -> Callable[[], Any]:
+    """`make` (a conversion by transformers' GGUF utilities) run with gguf's reader and name
+    table swapped for faster equivalents that give the same results. transformers parses the
+    file with gguf's GGUFReader, whose np.memmap slicing is most of a parse (about 3 s of the
+    embedded model's 5); the checked reader reads the same bytes through a plain view. Mapping
+    tensor names, it rebuilds gguf's name table for each of the model's ~400 modules (about 4 s);
+    one table per architecture and depth is enough. One conversion at a time, so that the stock
+    functions are always what is put back."""
+    def run() -> Any:
+        import gguf
+
+        with _CONVERSION_LOCK:
+            reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+            gguf.GGUFReader, gguf.get_tensor_name_map = _checked_gguf_reader(), functools.cache(name_map)
+            try:
+                return make()
+            finally:
+                gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+    return run
 
 
 def _gguf_tensors(path: str, hf_config: Any, dtype: torch.dtype) -> Iterable[tuple[str, Tensor]]:

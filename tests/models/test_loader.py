@@ -268,6 +268,38 @@ def test_gguf_truncated_inside_tensor_data_is_caught_before_loading(gguf_head, e
             loader(str(short))
 
 
+def test_conversions_read_a_gguf_as_ggufs_own_reader_does(embedded_path):
+    """While transformers converts a GGUF, gguf's reader and name table are swapped for faster
+    ones: the swapped reader must see the same fields and tensor bytes as the stock one, the
+    name table must be built once, and both must be put back, even when the conversion fails."""
+    import gguf
+    import numpy as np
+
+    from pagedserve.models import loader
+
+    stock_reader, stock_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    seen = {}
+
+    def conversion():
+        seen["reader"] = gguf.GGUFReader(embedded_path)
+        seen["one table"] = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is gguf.get_tensor_name_map(
+            gguf.MODEL_ARCH.LLAMA, 30)
+        raise RuntimeError("the conversion failed")
+
+    with pytest.raises(RuntimeError, match="the conversion failed"):
+        loader._converting(conversion)()
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (stock_reader, stock_map)
+    assert seen["one table"]
+    fast, stock = seen["reader"], stock_reader(embedded_path)
+    assert type(fast) is not stock_reader and fast.fields.keys() == stock.fields.keys()
+    for key, field in stock.fields.items():
+        assert fast.fields[key].types == field.types, key
+        assert fast.fields[key].contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in fast.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in stock.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, stock.tensors))
+
+
 def _rewrite(path, edit) -> None:
     path.write_bytes(edit(path.read_bytes()))
 
