@@ -79,6 +79,22 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def compiler_runs(monkeypatch) -> list[str]:
+    """The C sources native.py compiles from here on, by name, one entry per compiler run."""
+    from pagedserve import native
+
+    runs, real_run = [], native.subprocess.run
+
+    def counting_run(cmd, *args, **kwargs):
+        if "-shared" in cmd:
+            runs.append(Path(cmd[cmd.index("-o") - 1]).stem)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(native.subprocess, "run", counting_run)
+    return runs
+
+
 @pytest.fixture(scope="session")
 def embedded_path() -> str:
     from pagedserve.models.loader import embedded_model_path

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -63,16 +62,7 @@ def test_a_recording_notes_every_call_in_order():
     assert [(fn.__name__, args) for fn, args in calls] == [("abs", (-4,)), ("labs", (5,))]
 
 
-def test_building_ahead_compiles_every_source_once_for_the_loads(cache, monkeypatch):
-    runs = []
-    real_run = native.subprocess.run
-
-    def counting_run(cmd, *args, **kwargs):
-        if "-shared" in cmd:
-            runs.append(Path(cmd[cmd.index("-o") - 1]).stem)
-        return real_run(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(native.subprocess, "run", counting_run)
+def test_building_ahead_compiles_every_source_once_for_the_loads(cache, compiler_runs):
     native.build_ahead.cache_clear()
     try:
         thread = native.build_ahead()
@@ -83,7 +73,7 @@ def test_building_ahead_compiles_every_source_once_for_the_loads(cache, monkeypa
     finally:
         native.build_ahead.cache_clear()
     assert all(lib is not None for lib in libs)
-    assert sorted(runs) == sorted(native.SOURCES)  # each source compiled once, by whoever came first
+    assert sorted(compiler_runs) == sorted(native.SOURCES)  # each source compiled once, by whoever came first
     assert len(list(cache.glob("*.so"))) == len(native.SOURCES)
 
 

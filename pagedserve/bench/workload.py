@@ -50,7 +50,8 @@ class Workload:
         """The same prompts, each generating exactly `output_len` tokens (1: the prompts alone)."""
         if output_len < 1:
             raise ValueError(f"output_len must be at least 1, got {output_len}")
-        return Workload(f"{self.name}-out{output_len}", [replace(r, output_len=output_len) for r in self.requests])
+        return replace(self, name=f"{self.name}-out{output_len}",
+                       requests=[replace(r, output_len=output_len) for r in self.requests])
 
     def to_json(self) -> dict:
         return {"name": self.name, "requests": [

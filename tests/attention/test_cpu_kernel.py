@@ -10,7 +10,6 @@ import warnings
 import pytest
 import torch
 
-from pagedserve import native
 from pagedserve.attention import cpu_kernel, torch_ref
 from pagedserve.attention.kv_quant import FP8_DTYPE, dequantize, quantize
 from pagedserve.attention.metadata import BatchedDecodeMetadata
@@ -172,19 +171,13 @@ def test_bfloat16_decode_does_not_depend_on_the_thread_count():
     assert torch.equal(one, many)
 
 
-def test_a_new_load_reuses_the_cached_library(monkeypatch, fresh_load):
+def test_a_new_load_reuses_the_cached_library(fresh_load, compiler_runs):
     # (test_native.py builds every source once into an empty cache; here the build this session
     # already made, in the usual cache, is found again.)
     assert fresh_load() is not None
-    compiles, real_run = [], native.subprocess.run
-
-    def counting_run(cmd, *args, **kwargs):
-        compiles.extend([cmd] if "-shared" in cmd else [])
-        return real_run(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(native.subprocess, "run", counting_run)
+    compiler_runs.clear()  # whatever the first load had to build
     fresh_load.cache_clear()
-    assert fresh_load() is not None and compiles == []
+    assert fresh_load() is not None and compiler_runs == []
 
 
 def test_a_broken_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, fresh_load):
