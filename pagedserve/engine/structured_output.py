@@ -16,17 +16,20 @@ the first constrained request.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from pagedserve.sampling_params import ParameterError, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # Whitespace characters allowed between two JSON tokens. Unbounded, a small model can emit
 # newlines until max_tokens (the 135M default model does, after a prompt ending in "{"), and the
@@ -35,6 +38,14 @@ JSON_MAX_WHITESPACE = 1
 
 # xgrammar's errors start with a timestamp and a C++ source location; the rest is for the user.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@functools.cache
+def load_xgrammar():
+    """xgrammar, imported on first use: it takes about a second, and most engines never constrain."""
+    import xgrammar
+
+    return xgrammar
 
 
 def _reason(error: Exception) -> str:
@@ -50,6 +61,7 @@ def check_grammar(spec: StructuredOutputsParams) -> None:
     """ParameterError (naming structured_outputs) unless xgrammar can build the grammar. Needs no
     vocabulary, so the front checks before a request reaches the core."""
     kind, text, _ = spec.key
+    xgr = load_xgrammar()
     try:
         if kind == "json":
             xgr.Grammar.from_json_schema(text)
@@ -74,7 +86,7 @@ class StructuredOutputManager:
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None  # reused from step to step: [rows, ceil(vocab / 32)] int32
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._batch: xgr.BatchGrammarMatcher | None = None  # made with the first bitmask
         # Time spent filling bitmasks, over the steps that had constrained rows (`bench structured`).
         self.fill_seconds = 0.0
         self.fill_steps = 0
@@ -87,6 +99,7 @@ class StructuredOutputManager:
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
+                xgr = load_xgrammar()
                 info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
                 # One thread: the engine's step loop is the only caller, and the cores are the model's.
@@ -114,8 +127,8 @@ class StructuredOutputManager:
 
     def matchers(self, spec: StructuredOutputsParams, n: int) -> list[xgr.GrammarMatcher]:
         """One matcher per sample, each at the grammar's start."""
-        compiled = self.compile(spec)
-        return [xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids) for _ in range(n)]
+        compiled, matcher = self.compile(spec), load_xgrammar().GrammarMatcher
+        return [matcher(compiled, override_stop_tokens=self.stop_token_ids) for _ in range(n)]
 
     def bitmask(self, matchers: list[xgr.GrammarMatcher | None], device: torch.device | str
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -124,6 +137,9 @@ class StructuredOutputManager:
         if not rows:
             return None
         start = time.perf_counter()
+        xgr = load_xgrammar()
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = xgr.allocate_token_bitmask(max(len(rows), 8), self.vocab_size)
         bitmask = self._bitmask[: len(rows)]

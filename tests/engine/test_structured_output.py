@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -169,3 +171,13 @@ def test_bad_structured_outputs_params(kwargs, message):
     with pytest.raises(ParameterError, match=message):
         StructuredOutputsParams(**kwargs)
 
+
+
+def test_the_engine_imports_xgrammar_only_when_a_grammar_needs_it():
+    """xgrammar takes about a second to import: a start that constrains nothing does not pay it."""
+    code = ("import sys; import pagedserve.entrypoints.llm, pagedserve.entrypoints.openai.api_server; "
+            "assert 'xgrammar' not in sys.modules, 'imported at start'; "
+            "from pagedserve.engine.structured_output import check_grammar; "
+            "from pagedserve.sampling_params import StructuredOutputsParams; "
+            "check_grammar(StructuredOutputsParams(regex='a+')); assert 'xgrammar' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -22,6 +22,7 @@ from pagedserve import __version__
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.structured_output import load_xgrammar
 from pagedserve.entrypoints.openai import http_server
 from pagedserve.entrypoints.openai.limits import default_max_body_bytes, prompt_bound
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
@@ -94,6 +95,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        executor.submit(load_xgrammar)  # meanwhile, so that the first constrained request does not wait for it
         yield
         executor.shutdown(wait=False, cancel_futures=True)
 
