@@ -172,9 +172,9 @@ def test_bad_structured_outputs_params(kwargs, message):
         StructuredOutputsParams(**kwargs)
 
 
-
 def test_the_engine_imports_xgrammar_only_when_a_grammar_needs_it():
-    """xgrammar takes about a second to import: a start that constrains nothing does not pay it."""
+    """xgrammar takes about a second to import: importing the engine and the server does not import
+    it (a fresh process, so that no other test's import counts); checking a grammar does."""
     code = ("import sys; import pagedserve.entrypoints.llm, pagedserve.entrypoints.openai.api_server; "
             "assert 'xgrammar' not in sys.modules, 'imported at start'; "
             "from pagedserve.engine.structured_output import check_grammar; "
