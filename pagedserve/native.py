@@ -1,8 +1,9 @@
 """The C sources in pagedserve/csrc: compiled on first use, cached, loaded with ctypes.
 
-Each source is compiled with the system C compiler ($CC, else cc) to a shared library in
-pagedserve's cache folder (`pagedserve/cache.py`), keyed by the text of every file in csrc (a
-source and the headers it includes), its flags, the compiler and the CPU's features, so that an
+Each library is compiled with the system C compiler ($CC, else cc) from its translation units (the
+sources in UNITS, compiled side by side, or csrc/<name>.c alone) to a shared library in
+pagedserve's cache folder (`pagedserve/cache.py`), keyed by the text of every file in csrc (the
+sources and the headers they include), its flags, the compiler and the CPU's features, so that an
 edit or another machine never loads a stale build. Libraries link OpenMP: the process already has
 torch's libgomp loaded, so they share its thread pool. An engine on a CPU starts `build_ahead` first,
 so that a cold start compiles while it loads the model.
@@ -24,6 +25,7 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from pagedserve.cache import cache_dir
 CSRC = Path(__file__).with_name("csrc")
 # gnu11 for the vector extensions; fp-contract lets a * b + c become one fused multiply-add.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-# Each source with its flags. fused_ops: no fused multiply-add, as torch rounds each product before
+# Each library with its flags. fused_ops: no fused multiply-add, as torch rounds each product before
 # the sum (models/fused_cpu.py).
 SOURCES = {
     "paged_attention": FLAGS,
@@ -40,6 +42,9 @@ SOURCES = {
     "replay": FLAGS,
     "fused_ops": [f for f in FLAGS if not f.startswith("-ffp-contract")] + ["-ffp-contract=off"],
 }
+# The libraries built from more than one source. At -O3 the attention kernels take most of a cold
+# start's compile: as two sources, they compile at once on two cores.
+UNITS = {"paged_attention": ["paged_decode", "paged_prefill"]}
 
 
 class BuildError(RuntimeError):
@@ -70,8 +75,8 @@ def _build_lock(name: str) -> threading.Lock:
 
 
 def compile_source(name: str, compiler: str, flags: list[str] | None = None) -> Path:
-    """csrc/<name>.c compiled (or the cached build for this text, flags, compiler and CPU), with
-    SOURCES[name]'s flags by default. One build of a source at a time in a process: a second
+    """Library `name` compiled (or the cached build for this text, flags, compiler and CPU), with
+    SOURCES[name]'s flags by default. One build of a library at a time in a process: a second
     caller waits for it (see `build_ahead`) and then finds it cached."""
     with _build_lock(name):
         return _compile(name, compiler, SOURCES[name] if flags is None else flags)
@@ -87,32 +92,46 @@ def _compile(name: str, compiler: str, flags: list[str]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        units = UNITS.get(name, [name])
+        objects = [Path(tmp) / f"{unit}.o" for unit in units]
+        compile_flags = [f for f in flags if f != "-shared"]
+        with ThreadPoolExecutor(len(units)) as pool:  # the threads only wait on the compilers
+            results = pool.map(lambda unit, obj: subprocess.run(
+                [compiler, *compile_flags, "-c", str(CSRC / f"{unit}.c"), "-o", str(obj)],
+                capture_output=True, text=True), units, objects)
+            for unit, result in zip(units, results):
+                if result.returncode != 0:
+                    raise BuildError(f"{compiler} failed on {unit}.c:\n{result.stderr.strip()}")
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(CSRC / f"{name}.c"), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *flags, *map(str, objects), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
-            raise BuildError(f"{compiler} failed on {name}.c:\n{result.stderr.strip()}")
+            raise BuildError(f"{compiler} failed to link {name}:\n{result.stderr.strip()}")
         os.replace(built, target)
     return target
 
 
 @functools.cache
 def build_ahead() -> threading.Thread | None:
-    """Compile every source on a daemon thread, once per process, so that a cold start compiles
-    (about 10 s here, most of it paged_attention.c) while it reads the tokenizer and the weights
-    instead of after; a load waits for its source's build, or finds it cached. None where the
-    kernels are off (PAGEDSERVE_CPU_KERNEL=0) or there is no compiler. A failed build is left for
-    the load to report, with its fallback."""
+    """Compile every library on a daemon thread, once per process, so that a cold start compiles
+    (10-20 s of compiler time here, most of it the attention kernels) while it reads the tokenizer
+    and the weights instead of after; a load waits for its library's build, or finds it cached.
+    The libraries, and their sources, compile side by side: the cores the load leaves idle go to the
+    compilers. None where the kernels are off (PAGEDSERVE_CPU_KERNEL=0) or there is no compiler. A
+    failed build is left for the load to report, with its fallback."""
     compiler = find_compiler()
     if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0" or compiler is None:
         return None
 
+    def build(name: str) -> None:
+        try:
+            compile_source(name, compiler)
+        except (BuildError, OSError, subprocess.CalledProcessError):
+            pass
+
     def build_all() -> None:
-        for name in SOURCES:
-            try:
-                compile_source(name, compiler)
-            except (BuildError, OSError, subprocess.CalledProcessError):
-                pass
+        with ThreadPoolExecutor(len(SOURCES)) as pool:
+            pool.map(build, SOURCES)
 
     thread = threading.Thread(target=build_all, name="pagedserve-build-ahead", daemon=True)
     thread.start()

@@ -81,14 +81,14 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def compiler_runs(monkeypatch) -> list[str]:
-    """The C sources native.py compiles from here on, by name, one entry per compiler run."""
+    """The C libraries native.py builds from here on, by name, one entry per link."""
     from pagedserve import native
 
     runs, real_run = [], native.subprocess.run
 
     def counting_run(cmd, *args, **kwargs):
-        if "-shared" in cmd:
-            runs.append(Path(cmd[cmd.index("-o") - 1]).stem)
+        if "-shared" in cmd:  # the link of a library: <name>-<key>.so
+            runs.append(Path(cmd[cmd.index("-o") + 1]).name.rsplit("-", 1)[0])
         return real_run(cmd, *args, **kwargs)
 
     monkeypatch.setattr(native.subprocess, "run", counting_run)

@@ -1,4 +1,4 @@
-"""The C attention kernels for CPUs (csrc/paged_attention.c), decode and prefill: load, call.
+"""The C attention kernels for CPUs (csrc/paged_decode.c, csrc/paged_prefill.c), decode and prefill: load, call.
 
 Decode attention is memory-bound: a step reads every running request's whole context. Gathering
 the context into a padded tensor for SDPA copies it (read, write, read again); the kernel reads
