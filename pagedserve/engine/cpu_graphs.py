@@ -77,6 +77,12 @@ class _Watch(TorchDispatchMode):
         super().__init__()
         self.allocations: list[Tensor] = []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo.disable unless told not to, and that
+        # imports torch._dynamo (0.65 s of a warm start here); a recording is never compiled.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:

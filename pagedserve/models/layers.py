@@ -71,7 +71,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._tables: dict[tuple, tuple[Tensor, Tensor]] = {}
-        self.build()
+        if self.cos.device.type != "meta":  # a model allocated without data builds it once it has a device
+            self.build()
 
     def build(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the table, e.g. after the module was allocated without data."""

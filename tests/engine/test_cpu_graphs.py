@@ -1,10 +1,13 @@
 """CPU decode replays (engine/cpu_graphs.py): a replay computes bit for bit what the eager forward
 computes, for any number of requests up to its size and over stale buffers; a forward that does
 anything outside the C kernels is not recorded; the intermediates share one arena; a weight
-written after the recording ends the replays; and an engine's greedy output is the same with and
-without them."""
+written after the recording ends the replays; an engine's greedy output is the same with and
+without them; and recording imports no torch._dynamo."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -161,3 +164,16 @@ def test_an_engine_gives_the_same_tokens_with_and_without_replays(monkeypatch):
         assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks  # nothing leaks
     assert runs[0] == runs[1] and len(runs[0]) == 6
     assert len(replayed) > 20 and set(replayed) >= {1, 4}
+
+
+def test_an_engine_that_records_its_decode_steps_never_imports_dynamo():
+    """torch._dynamo takes about 0.65 s to import, and nothing on CPU compiles: building an engine
+    (model on the meta device, RoPE table, decode recording) and serving a request leaves it
+    unimported (a fresh process, so that no other test's import counts)."""
+    code = ("import sys; from pagedserve.engine.llm_engine import LLMEngine; "
+            "from pagedserve.config import EngineConfig; from pagedserve.sampling_params import SamplingParams; "
+            "engine = LLMEngine(EngineConfig()); "
+            "assert engine.runner.decode_graphs is not None; engine.add_request('0', [1, 2, 3], "
+            "SamplingParams(max_tokens=4)); [engine.step() for _ in range(4)]; "
+            "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
