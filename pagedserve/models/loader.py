@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import json
 import math
@@ -154,6 +155,8 @@ def _checked_gguf_reader() -> type:
 def load_config(model: str | None = None) -> ModelConfig:
     """The ModelConfig of a checkpoint, without reading its weights."""
     path = resolve_model_path(model)
+    if _is_gguf(path):
+        return _gguf_model_config(path)
     return _model_config(path, _hf_config(path))
 
 
@@ -164,12 +167,11 @@ def load_model(
     """Build our decoder for a checkpoint (see resolve_model_path) and fill all its weights; with
     a tensor-parallel group, this rank's share of them, read slice by slice where the file allows."""
     path = resolve_model_path(model)
-    hf_config = _hf_config(path)
-    config = _model_config(path, hf_config)
+    config = load_config(path)
     net = DecoderForCausalLM.empty(config, dtype, device, tp)
     if _is_gguf(path):  # dequantized once, then read back from the cache (gguf_cache.py)
         tensors = gguf_cache.cached(path, f"model-{str(dtype).removeprefix('torch.')}", _cached_safetensors,
-                                    _converting(lambda: dict(_gguf_tensors(path, hf_config, dtype))),
+                                    _converting(lambda: dict(_gguf_tensors(path, _hf_config(path), dtype))),
                                     _save_safetensors)
         tensors = tensors.items() if isinstance(tensors, dict) else tensors
     else:
@@ -246,6 +248,24 @@ def _hf_config(path: str) -> Any:
     raw = _read_json_object(Path(path) / "config.json")
     check_architecture(raw.get("model_type"), raw.get("architectures"))
     return AutoConfig.from_pretrained(path)
+
+
+def _gguf_model_config(path: str) -> ModelConfig:
+    """A GGUF's ModelConfig: made from transformers' config of the file once, then read back from the
+    GGUF cache as JSON. transformers' config classes import a second of its modules (a warm start's
+    largest import); the tokenizer does not need them. The part's name holds a digest of
+    models/config.py, which makes a ModelConfig: an edit there never reads an old one."""
+    source = Path(__file__).with_name("config.py").read_bytes()
+    part = f"model-config-{hashlib.sha256(source).hexdigest()[:12]}"
+
+    def read(folder: Path) -> ModelConfig:
+        fields = _read_json_object(folder / "model_config.json")
+        return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+    def write(config: ModelConfig, folder: Path) -> None:
+        (folder / "model_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+
+    return gguf_cache.cached(path, part, read, lambda: _model_config(path, _hf_config(path)), write)
 
 
 def _read_json_object(path: Path) -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,16 +29,21 @@ def test_a_second_load_reads_the_cache_and_gives_the_same_model(cache, monkeypat
     cold_net, cold_config = loader.load_model()
     cold_tokenizer = loader.load_tokenizer()
     (entry,) = cache.iterdir()
-    assert sorted(p.name for p in entry.iterdir()) == ["config", "model-float32", "tokenizer"]
+    parts = sorted(p.name for p in entry.iterdir())
+    assert parts[0] == "config" and parts[1].startswith("model-config-") and parts[2:] == ["model-float32", "tokenizer"]
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the GGUF was converted again")
 
     monkeypatch.setattr(loader, "_gguf_tensors", no_conversion)
+    monkeypatch.setattr(loader, "_hf_config", no_conversion)  # the ModelConfig is read back too
     warm_net, warm_config = loader.load_model()
     warm_tokenizer = loader.load_tokenizer()
 
     assert warm_config == cold_config == loader.load_config()
+    monkeypatch.undo()
+    path = loader.resolve_model_path(None)
+    assert warm_config == loader._model_config(path, loader._hf_config(path))  # as transformers' config gives it
     cold, warm = dict(cold_net.named_parameters()), dict(warm_net.named_parameters())
     assert cold.keys() == warm.keys()
     assert all(torch.equal(cold[name], warm[name]) for name in cold)
@@ -139,3 +146,14 @@ def test_a_damaged_file_never_gets_an_entry(cache, embedded_path, tmp_path):
         with pytest.raises(ValueError, match="not a valid GGUF file"):
             load(str(damaged))
     assert not gguf_cache.has_entry(str(damaged))
+
+
+def test_a_warm_start_reads_the_config_without_importing_transformers_config_classes(cache):
+    """They import about a second of transformers' modules; the cached tokenizer needs none of them.
+    Fresh processes, so that no other test's import counts: the first fills the cache."""
+    code = ("import sys; from pagedserve.models import loader; loader.load_config(); loader.load_tokenizer(); "
+            "print('transformers.utils.type_validators' in sys.modules)")
+    runs = [subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert [run.stdout.split()[-1] for run in runs] == ["True", "False"]
+
