@@ -4,8 +4,9 @@ Reading a GGUF through transformers parses the file's metadata three times (conf
 weights) and dequantizes every tensor: about 13 s for the embedded 98 MB SmolLM2 on a slow sitting
 of this project's 2-core machine, even with loader.py's faster reading (30 s without), at every
 start. The first start writes what it computed, and later starts read it back: the config as
-`config.json`, the tokenizer as `save_pretrained` writes it, the weights as safetensors in the
-dtype they were dequantized to.
+`config.json` (and pagedserve's ModelConfig made from it, so that a warm start needs no
+transformers config class: loader._gguf_model_config), the tokenizer as `save_pretrained` writes
+it, the weights as safetensors in the dtype they were dequantized to.
 
 An entry is keyed by the SHA-256 of the GGUF's bytes (0.06 s for the embedded file), the dtype,
 this cache's format version and the versions of the libraries that did the conversion, so a
