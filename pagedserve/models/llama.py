@@ -127,7 +127,10 @@ class DecoderForCausalLM(nn.Module):
         the vocabulary's padding rows under tensor parallelism, zeroed here)."""
         with torch.device("meta"):
             model = cls(config, tp)
-        model = model.to_empty(device=device).to(dtype)
+        # Module.to_empty's empty_like of a meta tensor goes through torch's Python references,
+        # which take half a second to set up on first use: a start pays it. torch.empty does not.
+        model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                                   device=device))
         model.model.rotary_emb.build(device)  # a buffer, not a weight: compute it for real
         if model.shard.real_vocab_rows(config.vocab_size) < model.shard.vocab_rows:
             for head in (model.model.embed_tokens, model.lm_head):
