@@ -11,7 +11,6 @@
 static inline int64_t span_start(int64_t b, int64_t first, int64_t bs) { return first > b * bs ? first - b * bs : 0; }
 static inline int64_t span_end(int64_t b, int64_t len, int64_t bs) { return len - b * bs < bs ? len - b * bs : bs; }
 
-
 /* Rows t0..t1-1 of the request's block b as floats: in place for a float32 cache; an fp8 or bfloat16
  * block is widened once into buf, so the query heads that share its rows do not each convert them. */
 static inline const float *block_at(const void *cache, const int64_t *table, int64_t b, int64_t t0, int64_t t1,
