@@ -32,6 +32,7 @@ class RequestRecord:
     error: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    sent: float = 0.0  # seconds from the run's start to this request's send
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -124,7 +125,9 @@ async def run_serving_bench(url: str, workload: Workload, request_rate: float, m
         start = time.perf_counter()
 
         async def send(r):
+            sent = time.perf_counter() - start
             record = await _one_request(client, url, model, r.prompt_token_ids, r.output_len, api_key)
+            record.sent = sent
             bar.update(1)
             return record
 
@@ -153,6 +156,10 @@ async def run_serving_bench(url: str, workload: Workload, request_rate: float, m
         "tpot_s": percentiles([t for r in ok if (t := r.tpot) is not None]),
         "itl_s": percentiles([x for r in ok for x in r.itl]),
         "e2e_s": percentiles([r.e2e for r in ok]),
+        # Each request in the workload's order, so that a percentile can be traced to the requests
+        # behind it (a slow first token: a long prompt, or one that arrived behind others).
+        "requests": [{"sent_s": round(r.sent, 4), "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                      "ttft_s": round(r.ttft, 4), "e2e_s": round(r.e2e, 4), "ok": r.ok} for r in records],
     }
 
 
@@ -201,7 +208,8 @@ def median_reports(runs: list[dict]) -> list[dict]:
         groups.setdefault((run["system"], run["request_rate"]), []).append(run)
     reports = []
     for rs in groups.values():
-        report = {k: v for k, v in rs[0].items() if k != "round"} | {"rounds": len(rs)}
+        # The per-request records stay with their runs: a median report has none.
+        report = {k: v for k, v in rs[0].items() if k not in ("round", "requests")} | {"rounds": len(rs)}
         if len(rs) > 1:
             report.update(
                 completed=sum(r["completed"] for r in rs), failed=sum(r["failed"] for r in rs),
