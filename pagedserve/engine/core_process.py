@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
+from pagedserve import heap
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_messages import (AbortRequests, CoreCommand, CoreFailed, CoreReady, EngineCoreOutputs,
                                              EngineCoreRequest, SampleOutput, Shutdown, StopSamples)
@@ -54,6 +55,7 @@ def run_engine_core(config: EngineConfig, eos_token_ids: list[int], command_addr
         outputs.send(encoder.encode(CoreFailed(f"the engine core failed to start: {e!r}")))
         outputs.close(linger=1000)
         raise SystemExit(1) from None
+    logger.info("froze %d startup objects out of the cycle collector", heap.freeze_startup_objects())
     outputs.send(encoder.encode(CoreReady(core.max_model_len, core.vocab_size, core.scheduler.max_num_seqs,
                                           core.num_blocks, core.core_stats())))
     core.structured_output.preload()  # this process has no tokenizer: load its vocabulary while idle

@@ -8,7 +8,9 @@ the API process dies (the core follows it), the front fails on one request (only
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,6 +141,22 @@ def test_a_front_failure_ends_that_request_only(core):
     assert core.is_running
     [again] = run_async(core, [(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])
     assert len(again.outputs[0].token_ids) == 4
+
+
+def test_the_core_freezes_its_startup_objects_before_it_reports_ready(tiny, embedded_tokenizer, capfd):
+    """Otherwise each oldest-generation collection walks them all mid-serving (heap.py)."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)  # the core process logs at the level the API process has
+    try:
+        engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120)
+        engine.start()
+        engine.shutdown()
+    finally:
+        root.setLevel(level)
+    log = capfd.readouterr().err  # the core process writes to the stderr it inherited
+    match = re.search(r"pagedserve\.core: froze (\d+) startup objects", log)
+    assert match and int(match.group(1)) > 10_000, log
 
 
 def test_the_core_process_dies_and_everyone_in_flight_fails_fast(tiny, embedded_tokenizer):

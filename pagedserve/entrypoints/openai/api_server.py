@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedserve import __version__
+from pagedserve import __version__, heap
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.async_llm import AsyncLLM
@@ -262,6 +262,8 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                         tool_call_parser=tool_call_parser)
         server = http_server.make_server(app, host=host, port=port, timeout_keep_alive=timeout_keep_alive,
                                          header_timeout=header_timeout, shutdown_timeout=shutdown_timeout)
+        logging.getLogger("uvicorn.error").info("Froze %d startup objects out of the cycle collector",
+                                                heap.freeze_startup_objects())
         server.run()
     finally:
         engine.shutdown()
