@@ -137,7 +137,9 @@ class TensorParallelExecutor:
         return self._run(self.runner.prepare(step, sample_rows, prompt_spans))
 
     def warm_up(self, num_tokens: int, max_model_len: int) -> None:
-        self._run(self.runner.warm_up_inputs(num_tokens, max_model_len))
+        with self._collectives():  # each rank makes the same dummy step itself
+            self._broadcast(protocol.header(protocol.WARM_UP, num_tokens, max_model_len))
+            self.runner.warm_up(num_tokens, max_model_len)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         """Send every rank the step's inputs, and run this rank's share of it."""

@@ -16,7 +16,7 @@ from torch import Tensor
 from pagedserve.engine.model_runner import StepInputs
 
 HEADER_LEN = 8
-STEP, SHUTDOWN, MEASURE_KV, INIT_KV = 1, 2, 3, 4
+STEP, SHUTDOWN, MEASURE_KV, INIT_KV, WARM_UP = 1, 2, 3, 4, 5
 
 
 def header(op: int, *args: int) -> Tensor:

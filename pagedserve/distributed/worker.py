@@ -118,6 +118,8 @@ def _loop(runner, control) -> None:
             dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=control)
         elif op == protocol.INIT_KV:
             runner.allocate_kv_cache(int(head[1]))
+        elif op == protocol.WARM_UP:
+            runner.warm_up(int(head[1]), int(head[2]))
 
 
 def run_spawned(rank: int, size: int, init_method: str, timeout_s: float, threads: int, device: str,

@@ -43,7 +43,8 @@ class Executor(Protocol):
         tokens (see `ModelRunner.execute`)."""
 
     def warm_up(self, num_tokens: int, max_model_len: int) -> None:
-        """Run a step of `num_tokens` dummy prompt tokens (`ModelRunner.warm_up_inputs`) on every worker."""
+        """Fault in the KV pool and run a step of `num_tokens` dummy prompt tokens
+        (`ModelRunner.warm_up`) on every worker."""
 
     def check_health(self) -> None:
         """Raise ExecutorFailed if a step can no longer run."""
@@ -84,7 +85,7 @@ class UniProcExecutor:
         return self.runner.execute(step, sample_rows, prompt_spans)
 
     def warm_up(self, num_tokens: int, max_model_len: int) -> None:
-        self.runner.run(self.runner.warm_up_inputs(num_tokens, max_model_len))
+        self.runner.warm_up(num_tokens, max_model_len)
 
     def check_health(self) -> None:
         pass

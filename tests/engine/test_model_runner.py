@@ -4,6 +4,8 @@ CUDA device it selects."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -137,6 +139,25 @@ def test_warm_up_step_is_prompts_of_at_most_512_tokens_over_the_first_blocks(tin
     assert runner.warm_up_inputs(250, max_model_len=100).num_new == [100, 100, 50]
     assert runner.run(runner.warm_up_inputs(300, max_model_len=256)).shape == (2, model_config.vocab_size)
     assert runner.warm_up_inputs(20, max_model_len=4096).block_tables.tolist() == [[0, 1]]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_warm_up_faults_in_the_whole_pool_which_allocation_leaves_untouched(tiny_checkpoint):
+    """Otherwise a server's steps stall each time its requests first reach a page of the pool."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.model_runner import ModelRunner
+    from pagedserve.models.loader import load_model
+    from tests.test_hugepages import resident_kib
+
+    path, _ = tiny_checkpoint("llama")
+    model, model_config = load_model(str(path))
+    runner = ModelRunner(model, model_config, EngineConfig(device="cpu"))
+    runner.allocate_kv_cache(4096)  # several MiB per tensor: each its own mapping (hugepages.zeros)
+    tensors = [t for cache in runner.kv_caches for t in (cache.k, cache.v)]
+    kib = tensors[0].numel() * tensors[0].element_size() >> 10
+    assert kib >= 4096 and all(resident_kib(t.data_ptr()) < kib // 2 for t in tensors)
+    runner.warm_up(64, max_model_len=256)
+    assert all(resident_kib(t.data_ptr()) >= kib for t in tensors)
 
 
 def test_warm_up_leaves_the_fp8_scales_to_the_first_real_step(embedded_model, embedded_tokenizer):
