@@ -14,9 +14,9 @@ preloaded; this asks glibc's own malloc instead.
 
 **Startup objects.** A server process holds hundreds of thousands of Python objects from its
 imports (torch, transformers, fastapi) and its engine, all alive until it exits. Python's
-oldest-generation collection walks every one of them, and it comes round a few times a minute
-while requests stream: on the 2-core test machine each took 110-140 ms in the API process and in
-the engine core process, stalling every request in flight (a 142-token prompt's first token took
+oldest-generation collection walks every one of them, and it came round once or twice in a
+40-second serving run: on the 2-core test machine each took 110-153 ms in the API process and
+80-132 ms in the engine core process, stalling every request in flight (a 142-token prompt's first token took
 477 ms, vLLM's 192). Frozen (`gc.freeze`), they are left out of every later collection. vLLM
 freezes its servers' startup heap the same way.
 """
