@@ -353,7 +353,8 @@ class EngineCore:
             self.scheduler.finish(request, status)
         return SampleOutput(request.group_id, request.sample_index, [token], logprobs,
                             status.value if status else None, stop_reason, request.num_cached_tokens or 0,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=prompt_logprobs,
+                            scheduled_time=request.scheduled_time if num_out == 1 else None)
 
     @staticmethod
     def _advance_grammar(request: Request, token: int) -> bool:

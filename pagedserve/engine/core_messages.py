@@ -63,6 +63,9 @@ class SampleOutput(msgspec.Struct, array_like=True):
     # Sent once, with the first sample's first token, when asked for: one entry per prompt token
     # after the first (what precedes it predicts it), each holding that prompt token's logprob.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Sent with a sample's first token: when the scheduler first admitted it (time.monotonic(),
+    # which is one clock for every process of a machine).
+    scheduled_time: float | None = None
 
 
 class CoreStats(msgspec.Struct, array_like=True):

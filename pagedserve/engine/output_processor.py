@@ -56,6 +56,7 @@ class _RequestState:
     samples: list[_Sample]
     arrival_time: float
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # when the core first admitted it
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -126,6 +127,8 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         if state.first_token_time is None:
             state.first_token_time = now
+        if state.scheduled_time is None:
+            state.scheduled_time = out.scheduled_time
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = [None] + [self._logprob_entry(token, lp)
                                               for token, lp in zip(state.prompt_token_ids[1:], out.prompt_logprobs)]
@@ -172,7 +175,8 @@ class OutputProcessor:
             outputs=[s.completion() for s in state.samples],
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
-            metrics={"arrival_time": state.arrival_time, "first_token_time": state.first_token_time,
+            metrics={"arrival_time": state.arrival_time, "first_scheduled_time": state.scheduled_time,
+                     "first_token_time": state.first_token_time,
                      "finish_time": max((s.finish_time or 0.0) for s in state.samples) if finished else None},
             error=error,
             prompt_logprobs=state.prompt_logprobs,

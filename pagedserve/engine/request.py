@@ -53,6 +53,7 @@ class Request:
         # manager: tokens only ever grow, so they stay valid across preemptions and failed steps.
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
+        self.scheduled_time: float | None = None  # time.monotonic() at first admission (preemptions aside)
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         # Its grammar's state (an xgrammar GrammarMatcher) when its output is constrained: it has

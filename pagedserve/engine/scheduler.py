@@ -15,6 +15,7 @@ alone always fits: preemption cannot deadlock.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -116,6 +117,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_cached_tokens is None:  # its first admission
                 request.num_cached_tokens = num_cached
+                request.scheduled_time = time.monotonic()
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -148,6 +150,7 @@ class Scheduler:
         """Start `child` as a running copy of `parent`, sharing all of its blocks."""
         self.kv.fork(parent.request_id, child.request_id, child.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.scheduled_time = parent.scheduled_time
         child.status = RequestStatus.RUNNING
         self.running.append(child)
         self._new_to_runner.add(child.request_id)

@@ -171,6 +171,29 @@ def test_requests_join_while_others_are_mid_generation(embedded_model, embedded_
     assert_all_free(llm)
 
 
+def test_request_metrics_time_the_queue_the_prompt_and_the_decode(embedded_model, embedded_tokenizer, prompts):
+    # One request at a time: the second waits in the queue until the first has finished.
+    llm = make_llm(embedded_model, embedded_tokenizer, max_num_seqs=1)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first, second = llm.generate([{"prompt_token_ids": prompts[3]}, {"prompt_token_ids": prompts[4]}], params,
+                                 use_tqdm=False)
+    for out in (first, second):
+        m = out.metrics
+        assert m["arrival_time"] <= m["first_scheduled_time"] < m["first_token_time"] <= m["finish_time"]
+    assert second.metrics["first_scheduled_time"] >= first.metrics["finish_time"]
+    assert first.metrics["first_scheduled_time"] - first.metrics["arrival_time"] < (
+        second.metrics["first_scheduled_time"] - second.metrics["arrival_time"])
+    assert_all_free(llm)
+    # Parallel samples fork from the first one after its prompt; the request keeps its admission.
+    two = make_llm(embedded_model, embedded_tokenizer)
+    out = two.generate([{"prompt_token_ids": prompts[5]}], SamplingParams(n=2, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    m = out.metrics
+    assert len(out.outputs) == 2
+    assert m["arrival_time"] <= m["first_scheduled_time"] < m["first_token_time"] <= m["finish_time"]
+    assert_all_free(two)
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(llm, prompts):
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
     alone = llm.generate([{"prompt_token_ids": prompts[1]}], seeded, use_tqdm=False)[0].outputs[0].token_ids

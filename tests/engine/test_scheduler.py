@@ -61,6 +61,8 @@ def test_out_of_blocks_preempts_the_newest_and_recomputes_it_later():
     s.add(a)
     s.add(b)
     run_step(s)  # both fit: 2 blocks each, 8 tokens of room each
+    admitted = b.scheduled_time
+    assert admitted is not None and a.scheduled_time <= admitted
     run_step(s)  # each writes its 8th token: still 2 blocks
     plan = run_step(s)  # a needs a 3rd block: b, the newest, is preempted
     assert [r.request_id for r in plan.preempted] == ["b"]
@@ -71,6 +73,7 @@ def test_out_of_blocks_preempts_the_newest_and_recomputes_it_later():
     plan = run_step(s)  # b comes back and recomputes its prompt and the 2 tokens it had sampled
     assert plan.requests == [b] and plan.num_new_tokens == [7 + 2]
     assert s.num_preemptions == 1
+    assert b.scheduled_time == admitted  # the first admission, as vLLM's queue time counts it
 
 
 def test_a_lone_request_preempting_itself_does_not_deadlock():

@@ -90,6 +90,16 @@ class ServerMetrics:
         self.time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
                                                "Per request: mean time between its generated tokens.")
         self.e2e_latency = histogram("vllm:e2e_request_latency_seconds", "From arrival to the last token.")
+        # TTFT = queue + prefill and E2E = queue + inference: whether a slow first token waited
+        # for a turn (load) or for its own prompt to compute. Arrival is when the server took the
+        # request, so the queue includes the rest of the step running then.
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "From arrival to the scheduler's first admission of the request.")
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "From the first admission to the first generated token.")
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "From the first generated token to the last.")
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "From the first admission to the last token.")
         engine.add_finish_hook(self.observe_finished)
 
     def observe_finished(self, output: RequestOutput) -> None:
@@ -99,6 +109,12 @@ class ServerMetrics:
             return
         self.time_to_first_token.observe(first - arrival)
         self.e2e_latency.observe(finish - arrival)
+        self.decode_time.observe(finish - first)
+        scheduled = m.get("first_scheduled_time")
+        if scheduled is not None:
+            self.queue_time.observe(scheduled - arrival)
+            self.prefill_time.observe(first - scheduled)
+            self.inference_time.observe(finish - scheduled)
         num_tokens = max(len(o.token_ids) for o in output.outputs)
         if num_tokens > 1:
             self.time_per_output_token.observe((finish - first) / (num_tokens - 1))

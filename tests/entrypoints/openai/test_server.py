@@ -302,7 +302,9 @@ def test_metrics_parse_and_move(server):
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:request_time_per_output_token_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total:stop"]:
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count", "vllm:request_success_total:stop"]:
         assert name in before
     prompt = "A prompt long enough to fill two blocks of sixteen tokens, so that the second time it is sent the " \
              "prefix cache has something to give back."
@@ -314,11 +316,23 @@ def test_metrics_parse_and_move(server):
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
     assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] >= 16
     for histogram in ["time_to_first_token_seconds", "request_time_per_output_token_seconds",
-                      "e2e_request_latency_seconds"]:
+                      "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                      "request_decode_time_seconds", "request_inference_time_seconds"]:
         name = f"vllm:{histogram}"
         assert after[f"{name}_count"] - before[f"{name}_count"] == 2
         assert after[f"{name}_sum"] > before[f"{name}_sum"]
         assert after[f"{name}_bucket:+Inf"] == after[f"{name}_count"]
+
+    def added(histogram):
+        return after[f"vllm:{histogram}_sum"] - before[f"vllm:{histogram}_sum"]
+
+    # The phases add up: TTFT = queue + prefill, E2E = queue + inference = TTFT + decode.
+    assert added("request_queue_time_seconds") + added("request_prefill_time_seconds") == pytest.approx(
+        added("time_to_first_token_seconds"))
+    assert added("request_queue_time_seconds") + added("request_inference_time_seconds") == pytest.approx(
+        added("e2e_request_latency_seconds"))
+    assert added("time_to_first_token_seconds") + added("request_decode_time_seconds") == pytest.approx(
+        added("e2e_request_latency_seconds"))
     assert_all_free(after)
 
 
