@@ -95,6 +95,9 @@ def test_outputs_equal_the_in_process_engine(core, tiny, embedded_tokenizer):
     got = run_async(core, requests)
     assert [summary(o) for o in got] == [summary(o) for o in expected]
     assert all(o.finished for o in got)
+    # The core's admission time crossed the process boundary on the same clock as the front's.
+    assert all(o.metrics["arrival_time"] <= o.metrics["first_scheduled_time"] < o.metrics["first_token_time"]
+               <= o.metrics["finish_time"] for o in got)
     deadline = time.monotonic() + 10  # the core reports its figures after the front's stops reach it
     while core.stats.kv.free_blocks != core.stats.kv.total_blocks or core.stats.num_running:
         assert time.monotonic() < deadline, core.stats
