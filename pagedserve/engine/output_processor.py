@@ -125,10 +125,8 @@ class OutputProcessor:
                result: ProcessedOutputs) -> None:
         params = state.params
         state.num_cached_tokens = out.num_cached_tokens
-        if state.first_token_time is None:
-            state.first_token_time = now
-        if state.scheduled_time is None:
-            state.scheduled_time = out.scheduled_time
+        if state.first_token_time is None:  # the core sends its admission time with the first token
+            state.first_token_time, state.scheduled_time = now, out.scheduled_time
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = [None] + [self._logprob_entry(token, lp)
                                               for token, lp in zip(state.prompt_token_ids[1:], out.prompt_logprobs)]
