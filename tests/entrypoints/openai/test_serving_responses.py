@@ -266,3 +266,94 @@ def test_the_agents_sdk_runs_a_function_tool_in_both_its_modes(tool_server):
         assert isinstance(result.final_output, str) and result.final_output
         runs[mode] = (calls, result.final_output)
     assert runs[OpenAIResponsesModel] == runs[OpenAIChatCompletionsModel]
+
+
+def test_the_compatibility_table_lists_every_field_and_says_which_are_refused():
+    from pathlib import Path
+
+    from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
+
+    lines = (Path(__file__).parents[3] / "docs" / "api_compatibility.md").read_text().splitlines()
+    section = lines[lines.index("## Responses API"):]
+    table = {}
+    for line in section:
+        if line.startswith("| `"):
+            field, status = [c.strip() for c in line.strip("|").split("|")]
+            table[field.strip("`")] = status.startswith("refused")
+    declared = {name: any("Refused" in getattr(getattr(m, "func", None), "__qualname__", "") for m in info.metadata)
+                for name, info in ResponsesRequest.model_fields.items()}
+    assert table == declared
+
+
+# The translation from chat chunks to Responses events, on chunks in the chat stream's shape.
+
+def chunk(content=None, calls=None, finish_reason=None) -> dict:
+    delta = {k: v for k, v in {"content": content, "tool_calls": calls}.items() if v is not None}
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+def new_events():
+    from pagedserve.entrypoints.openai.protocol_responses import ResponseObject
+    from pagedserve.entrypoints.openai.serving_responses import ResponseEvents
+
+    return ResponseEvents(ResponseObject(id="resp_1", status="in_progress", model=MODEL))
+
+
+def test_text_around_calls_becomes_messages_and_calls_in_the_models_order():
+    events = new_events()
+    sent = events.start()
+    for c in [chunk("Let me check."),
+              chunk(calls=[{"index": 0, "id": "call_a", "type": "function",
+                            "function": {"name": "get_weather", "arguments": ""}}]),
+              chunk(calls=[{"index": 0, "function": {"arguments": '{"city": '}}]),
+              chunk(calls=[{"index": 0, "function": {"arguments": '"Paris"}'}}]),
+              chunk("Done."), chunk(finish_reason="tool_calls"),
+              {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                                        "prompt_tokens_details": {"cached_tokens": 3}}}]:
+        sent += events.feed(c)
+    sent += events.finish()
+    response = events.response
+    assert [item.type for item in response.output] == ["message", "function_call", "message"]
+    call = response.output[1]
+    assert (call.call_id, call.name, call.arguments, call.status) == ("call_a", "get_weather", '{"city": "Paris"}',
+                                                                      "completed")
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
+    assert [e["output_index"] for e in sent if e["type"] == "response.output_item.added"] == [0, 1, 2]
+    assert sent[-1]["type"] == "response.completed" and response.usage.input_tokens_details.cached_tokens == 3
+    assert events.answer_message() == {"role": "assistant", "content": "Let me check.Done.", "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+
+
+def test_an_error_in_the_chat_stream_fails_the_response():
+    events = new_events()
+    events.start()
+    events.feed(chunk("Partial"))
+    events.feed({"error": {"message": "the server shut down before this request finished", "type": "server_error",
+                           "param": None, "code": "server_shutting_down"}})
+    error, failed = events.finish()
+    assert error["type"] == "error" and error["code"] == "server_shutting_down"
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert "shut down" in failed["response"]["error"]["message"]
+
+
+def test_input_items_become_the_chat_conversation():
+    from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
+    from pagedserve.entrypoints.openai.serving_responses import chat_messages
+
+    request = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris and Rome?"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_a", "output": "21 C"},
+        {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "25 C"}]},
+    ]})
+    calls = [{"id": f"call_{k}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+             for k, city in (("a", "Paris"), ("b", "Rome"))]
+    assert chat_messages(request.input) == [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris and Rome?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_a", "content": "21 C"},
+        {"role": "tool", "tool_call_id": "call_b", "content": [{"type": "text", "text": "25 C"}]},
+    ]
