@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ValidationError, BeforeValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.entrypoints.openai.protocol import (
@@ -158,7 +158,8 @@ def _function_tools_only(tools: Any) -> Any:
             if kind != "function":
                 raise PydanticCustomError(
                     "tool_type", "tool {i} is of type {kind}: this server runs function tools only (built-in tools "
-                    "such as web_search, file_search or code_interpreter are not supported)", {"i": i, "kind": repr(kind)})
+                    "such as web_search, file_search or code_interpreter are not supported)",
+                    {"i": i, "kind": repr(kind)})
     return tools
 
 
@@ -211,7 +212,7 @@ class TextConfig(RequestModel):
     verbosity: Annotated[Any, Refused("medium")] = None  # the model has one verbosity
 
 
-class StreamOptions(RequestModel):
+class ResponsesStreamOptions(RequestModel):
     # Obfuscation pads deltas against length side channels; this server adds none, which changes no text.
     include_obfuscation: bool | None = None
 
@@ -232,7 +233,7 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     store: bool | None = None  # None: true, as OpenAI's
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: ResponsesStreamOptions | None = None
     max_output_tokens: int | None = Field(None, ge=1)  # default: up to the context limit
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

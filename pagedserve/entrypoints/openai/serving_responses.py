@@ -30,8 +30,8 @@ from starlette.responses import Response
 
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.protocol_responses import (
-    DeletedResponse, FunctionCallItem, FunctionCallOutput, FunctionCallOutputItem, IncompleteDetails,
-    InputTextPart, InputTokensDetails, MessageItem, OutputMessage, OutputText, ResponseError, ResponseObject,
+    DeletedResponse, FunctionCallItem, FunctionCallOutput, IncompleteDetails, InputItem, InputTextPart,
+    InputTokensDetails, MessageItem, OutputMessage, OutputText, ResponseError, ResponseObject,
     ResponsesRequest, ResponseUsage,
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -144,6 +144,8 @@ class OpenAIServingResponses:
         except ValidationError as e:  # what only the chat request checks (e.g. no messages at all)
             error = e.errors()[0]
             loc = [str(part) for part in error["loc"]]
+            if loc[:1] == ["tools"] and loc[2:3] == ["function"]:  # a Responses tool is flat
+                del loc[2]
             field = _FIELD_NAMES.get(loc[0], loc[0]) if loc else None
             raise APIError(400, f"{'.'.join([field, *loc[1:]]) if field else 'body'}: {error['msg']}",
                            param=field) from None
@@ -182,7 +184,7 @@ class OpenAIServingResponses:
             self.store.put(StoredResponse(events.response, (*conversation, events.answer_message())))
 
 
-def chat_messages(given: str | list[MessageItem | FunctionCallItem | FunctionCallOutputItem]) -> list[dict[str, Any]]:
+def chat_messages(given: str | list[InputItem]) -> list[dict[str, Any]]:
     """Input items as chat messages: a function_call joins the assistant message before it (the
     calls of one turn are one message's tool_calls); a function_call_output is a tool message."""
     if isinstance(given, str):

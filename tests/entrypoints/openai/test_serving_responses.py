@@ -207,6 +207,9 @@ def test_the_store_keeps_the_most_recently_used_responses(tool_server):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "search"}}, "tool_choice", "'search'"),
     ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text",
      "tool_choice"),
+    ({"tools": [{**WEATHER, "parameters": {"type": "string"}}], "tool_choice": "required"}, "tools",
+     'tools.0.parameters: must be a JSON schema of type "object"'),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"model": "gpt-4o"}, "model", "does not exist"),
 ])
 def test_refused_and_bad_fields_are_400s_naming_the_field(server, body, param, message):
@@ -349,7 +352,8 @@ def test_input_items_become_the_chat_conversation():
         {"type": "function_call_output", "call_id": "call_a", "output": "21 C"},
         {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "25 C"}]},
     ]})
-    calls = [{"id": f"call_{k}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+    calls = [{"id": f"call_{k}", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
              for k, city in (("a", "Paris"), ("b", "Rome"))]
     assert chat_messages(request.input) == [
         {"role": "user", "content": [{"type": "text", "text": "Weather in Paris and Rome?"}]},
