@@ -365,9 +365,13 @@ def _renamed(e: APIError) -> APIError:
     return APIError(e.status, error.message, type=error.type, param=param, code=error.code)
 
 
+# The codes of the chat path's 503s: the server drains, or its engine is down.
+_UNAVAILABLE_CODES = ("server_shutting_down", "engine_unavailable")
+
+
 def _api_error(error: dict[str, Any]) -> APIError:
     """The HTTP error for a chat stream's error event (a non-streamed request failed after it started)."""
-    if error.get("code") == "server_shutting_down":
+    if error.get("code") in _UNAVAILABLE_CODES:
         status = 503
     else:
         status = 500 if error.get("type") == "server_error" else 400

@@ -119,16 +119,17 @@ def test_a_function_tool_round_trip_with_previous_response_id_and_without(server
     assert first.tool_choice.name == "get_weather" and first.tools[0].strict is True
     result = {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"celsius": 21})}
 
+    answer = GREEDY | {"max_output_tokens": 8}
     chained = client.responses.create(previous_response_id=first.id, input=[result], tools=[WEATHER],
-                                      tool_choice="none", **GREEDY)
+                                      tool_choice="none", **answer)
     assert chained.previous_response_id == first.id and chained.output_text
     assert chained.output[0].type == "message"
     # The same conversation sent whole: the question, the call as the server returned it, the result.
     whole = client.responses.create(input=[{"role": "user", "content": ASK}, call.to_dict(), result],
-                                    tools=[WEATHER], tool_choice="none", **GREEDY)
+                                    tools=[WEATHER], tool_choice="none", **answer)
     assert whole.output_text == chained.output_text
     # The history costs what its rendering costs: the call and its result are in the prompt.
-    alone = client.responses.create(input=ASK, tools=[WEATHER], tool_choice="none", **GREEDY)
+    alone = client.responses.create(input=ASK, tools=[WEATHER], tool_choice="none", **answer)
     assert whole.usage.input_tokens == chained.usage.input_tokens > alone.usage.input_tokens + 20
 
 
