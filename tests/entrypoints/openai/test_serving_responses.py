@@ -149,13 +149,20 @@ def test_a_streamed_call_sends_its_arguments_in_fragments(server):
 
 
 def test_text_format_json_schema_constrains_the_output(server):
-    schema = {"type": "object", "properties": {"capital": {"type": "string", "enum": ["Paris", "Lyon"]}},
-              "required": ["capital"], "additionalProperties": False}
-    response = server.client().responses.create(
-        input=QUESTION, text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
-        **GREEDY)
-    jsonschema.validate(json.loads(response.output_text), schema)
-    assert response.text.format.type == "json_schema" and response.text.format.name == "answer"
+    """The openai client's `responses.parse` sends a pydantic model as a strict json_schema format
+    and parses the output back into it."""
+    from typing import Literal
+
+    import pydantic
+
+    class Answer(pydantic.BaseModel):
+        capital: Literal["Paris", "Lyon"]
+        country: str
+
+    response = server.client().responses.parse(input=QUESTION, text_format=Answer, **GREEDY | {"max_output_tokens": 40})
+    assert response.status == "completed" and isinstance(response.output_parsed, Answer)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "Answer"
+    assert response.text.format.strict is True
 
 
 def test_an_unknown_previous_response_id_is_a_400_in_openais_shape(server):
