@@ -113,7 +113,7 @@ def _input_items(value: str | list[dict[str, Any]]) -> str | list[InputItem]:
     items = []
     for i, item in enumerate(value):
         kind = item.get("type", "message")
-        if kind not in _ITEM_TYPES:
+        if not isinstance(kind, str) or kind not in _ITEM_TYPES:
             raise PydanticCustomError(
                 "input_item", "input item {i} is of type {kind}, which this server does not take (it takes "
                 "messages, function_call and function_call_output items)", {"i": i, "kind": repr(kind)})

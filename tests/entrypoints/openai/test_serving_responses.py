@@ -208,6 +208,7 @@ def test_the_store_keeps_the_most_recently_used_responses(tool_server):
     ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"text": {"verbosity": "low"}}, "text", "not supported"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input item 0 is of type 'reasoning'"),
+    ({"input": [{"role": "user", "content": "Hi"}, {"type": ["message"]}]}, "input", "input item 1 is of type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text only"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "city"}]}, "input",
      "JSON text of an object"),
