@@ -254,7 +254,7 @@ class ResponsesRequest(RequestModel):
     truncation: Annotated[Any, Refused("disabled", hint="; an input too long for the context is a 400")] = None
     background: Annotated[Any, Refused(False)] = None
     background_options: Annotated[Any, Refused()] = None
-    reasoning: Annotated[Any, Refused(hint="; this model has no reasoning options")] = None
+    reasoning: Annotated[Any, Refused({}, hint="; this model has no reasoning options")] = None
     top_logprobs: Annotated[Any, Refused(0)] = None
     max_tool_calls: Annotated[Any, Refused()] = None
     conversation: Annotated[Any, Refused(hint="; use previous_response_id")] = None

@@ -230,7 +230,8 @@ def test_refused_and_bad_fields_are_400s_naming_the_field(server, body, param, m
 
 def test_what_the_openai_client_sends_by_default_is_accepted(server):
     r = post(server, {"include": [], "truncation": "disabled", "store": True, "metadata": {"k": "v"}, "user": "u",
-                      "parallel_tool_calls": True, "text": {"format": {"type": "text"}}})
+                      "parallel_tool_calls": True, "text": {"format": {"type": "text"}}, "reasoning": {},
+                      "background": False, "prompt_cache_key": "agent-1", "safety_identifier": "s"})
     assert r.status_code == 200, r.text
     assert r.json()["metadata"] == {"k": "v"} and r.json()["user"] == "u"
 
