@@ -30,9 +30,13 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
     ModelList, ResponseModel, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
 )
+from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import APIError, Drain, bad_request, server_error, shutting_down
+from pagedserve.entrypoints.openai.serving_responses import (
+    DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses, ResponseStore,
+)
 from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ MODEL_ROUTES = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 ERROR_STATUSES = {
     400: "Invalid request: a field's type or value, a prompt too long for the context, a body that is not JSON",
     401: "Missing or wrong API key",
-    404: "Unknown model",
+    404: "Unknown model (or, on /v1/responses/{id}, unknown response)",
     408: "The request body did not arrive in time",
     413: "The request body is over the server's limit",
     500: "The engine failed while serving the request",
@@ -77,7 +81,8 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, *,
               max_body_bytes: int | None = None, body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
               default_max_tokens: int | None = None, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None, extra_collectors: tuple = ()) -> FastAPI:
+              tool_call_parser: str | None = None, extra_collectors: tuple = (),
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """An app serving a started engine. The caller owns the engine (start and shutdown).
 
     max_body_bytes: the largest request body (default: what the longest prompt that can fit the
@@ -85,8 +90,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     to arrive; default_max_tokens: max_tokens for a request that sets none (vLLM's max_new_tokens
     generation setting; default: up to the context limit for chat, 16 for completions);
     enable_auto_tool_choice and tool_call_parser: vLLM's tool-calling settings (serving_chat);
-    extra_collectors: more prometheus collectors for /metrics. The app's drain (app.state.drain) is
-    driven by http_server.GracefulServer."""
+    extra_collectors: more prometheus collectors for /metrics; max_stored_responses: how many
+    /v1/responses answers are kept for previous_response_id and GET (the least recently used is
+    dropped first). The app's drain (app.state.drain) is driven by http_server.GracefulServer."""
     bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(bound and bound.max_chars)
@@ -106,6 +112,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     completions = OpenAIServingCompletion(engine, served_model_name, **shared)
     chat = OpenAIServingChat(engine, served_model_name, **shared, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser)
+    responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
     auth = (401,) if api_key else ()
     v1 = APIRouter(prefix="/v1")
 
@@ -127,6 +134,18 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     @v1.post("/chat/completions", responses=generation_errors)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, chat.create_chat_completion(body))
+
+    @v1.post("/responses", responses=generation_errors)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, responses.create_response(body))
+
+    @v1.get("/responses/{response_id}", responses=_errors(*auth, 404, 503))
+    async def retrieve_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
+    @v1.delete("/responses/{response_id}", responses=_errors(*auth, 404, 503))
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
 
     app.include_router(v1)
 

@@ -431,7 +431,7 @@ def test_the_openapi_schema_declares_the_statuses_the_server_answers(server):
     assert "422" not in json.dumps(schema)
     assert "HTTPValidationError" not in schema["components"]["schemas"]
     error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         responses = schema["paths"][path]["post"]["responses"]
         assert set(responses) == {"200", "400", "404", "408", "413", "500", "503"}
         for status in set(responses) - {"200"}:
