@@ -88,7 +88,10 @@ class _Watch(TorchDispatchMode):
         if func in _ALLOCATIONS:
             self.allocations.append(out)
             return out
-        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor)}
+        try:
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor)}
+        except NotImplementedError:  # a oneDNN-packed weight (no C matmul for this CPU) has no storage
+            raise NotRecordable(f"{func} runs outside the C kernels") from None
         outputs = out if isinstance(out, (tuple, list)) else [out]
         if func._schema.is_mutable or not all(
                 isinstance(o, Tensor) and o.untyped_storage().data_ptr() in inputs for o in outputs):
