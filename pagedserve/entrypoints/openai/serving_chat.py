@@ -35,7 +35,8 @@ AUTO_TOOL_CHOICE_OFF = ('"auto" tool choice requires --enable-auto-tool-choice a
 
 class OpenAIServingChat(OpenAIServing):
     """Chat completions, tool calls included. tool_call_parser (`hermes`, `llama3_json`, or `auto`:
-    the one the chat template's call syntax names) reads the calls of tool_choice "auto", which
+    the one whose call syntax the chat template writes; hermes, the format the server writes tools
+    in, for a template that renders none) reads the calls of tool_choice "auto", which
     enable_auto_tool_choice turns on (vLLM's flags); "required" and a named function need neither:
     a JSON schema constrains the output. Strict tools under "auto" are enforced by an xgrammar
     structural tag in the parser's format."""
@@ -45,13 +46,14 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-        if tool_call_parser == "auto":
-            tool_call_parser = parser_for_template(self.engine.tokenizer.chat_template)
+        self.template_renders_tools = template_renders_tools(self.engine.tokenizer)
+        if tool_call_parser == "auto":  # a template that renders no tools gets the server's format: hermes
+            tool_call_parser = (parser_for_template(self.engine.tokenizer.chat_template) if self.template_renders_tools
+                                else HermesToolParser.name)
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
         # For a template that does not render tools, the server writes them and past calls in this format.
         self.call_format = self.tool_parser or HermesToolParser()
-        self.template_renders_tools = template_renders_tools(self.engine.tokenizer)
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         self.check_model(request.model)

@@ -129,3 +129,35 @@ def test_without_tools_a_conversation_renders_as_before(embedded_tokenizer):
     text, _ = serving(embedded_tokenizer).chat_prompt(plain, True, None)
     assert text == embedded_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                                           add_generation_prompt=True)
+
+
+# ---- --tool-call-parser auto, and strict tools under "auto" per parser --------------------------
+
+
+def test_auto_parser_is_the_templates_call_syntax_or_the_servers_format(embedded_tokenizer, tool_tokenizer):
+    assert serving(embedded_tokenizer, "auto").tool_parser.name == "hermes"  # renders no tools: the server's format
+    hermes_template = copy.deepcopy(embedded_tokenizer)
+    hermes_template.chat_template = "{{ tools | tojson }}{% for m in messages %}<tool_call>{{ m.content }}{% endfor %}"
+    assert serving(hermes_template, "auto").tool_parser.name == "hermes"
+    with pytest.raises(ValueError, match="--tool-call-parser auto: the chat template writes no tool-call syntax"):
+        serving(tool_tokenizer, "auto")  # renders tools, in a syntax no parser reads
+
+
+def test_strict_tools_under_auto_are_a_400_naming_tools_where_the_parser_has_no_tag(embedded_tokenizer):
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedserve.entrypoints.openai.serving_engine import APIError
+
+    strict = {"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}
+    request = ChatCompletionRequest.model_validate({"messages": HISTORY[:1], "tools": [strict]})
+    chat = OpenAIServingChat(SimpleNamespace(tokenizer=embedded_tokenizer), "m", enable_auto_tool_choice=True,
+                             tool_call_parser="llama3_json")
+    with pytest.raises(APIError) as info:
+        chat.strict_calls_constraint(request)
+    assert info.value.status == 400 and info.value.body.error.param == "tools"
+    assert "strict is true for get_weather" in info.value.body.error.message
+    assert "llama3_json" in info.value.body.error.message
+    hermes = OpenAIServingChat(SimpleNamespace(tokenizer=embedded_tokenizer), "m", enable_auto_tool_choice=True,
+                               tool_call_parser="hermes")
+    assert hermes.strict_calls_constraint(request).structural_tag["format"]["triggers"] == ["<tool_call>"]
+    not_strict = ChatCompletionRequest.model_validate({"messages": HISTORY[:1], "tools": TOOLS})
+    assert chat.strict_calls_constraint(not_strict) is None  # nothing to enforce: the output stays free
