@@ -66,7 +66,8 @@ def chat_turns(messages: list[ChatMessage], tools: list[dict[str, Any]] | None, 
         if role == "tool":
             result = f"{_result_label(calls_by_id.get(m.tool_call_id))}:\n{m.text()}"
             if i and messages[i - 1].role == "tool":  # one message for consecutive results
-                turns[-1]["content"] = turns[-1]["content"].removesuffix(_ASK_ONE) + f"\n\n{result}{_ASK_MANY}"
+                asked = turns[-1]["content"].removesuffix(_ASK_ONE).removesuffix(_ASK_MANY)
+                turns[-1]["content"] = f"{asked}\n\n{result}{_ASK_MANY}"
             elif turns and turns[-1]["role"] == "user":
                 turns[-1]["content"] += f"\n\n{result}{_ASK_ONE}"
             else:

@@ -97,6 +97,11 @@ def test_without_tool_support_results_are_labelled_with_their_calls_in_the_users
         "<|im_start|>assistant\n")
     assert "<tool_response>" not in text
 
+    third = messages([*HISTORY, {"role": "tool", "tool_call_id": "call_9", "content": "no call"}])
+    text = serving(embedded_tokenizer).chat_prompt(third, True, TOOLS)[0]
+    assert text.endswith("25 C\n\nResult of a function call:\nno call\n\nAnswer with these results.<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+
 
 def test_without_tool_support_a_call_without_its_result_stays_in_the_assistants_turn(embedded_tokenizer):
     conversation = messages([*HISTORY[:2], {**HISTORY[2]}, {"role": "assistant", "content": "Rome next."}])
