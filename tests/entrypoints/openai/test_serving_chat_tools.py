@@ -141,6 +141,12 @@ def test_an_agent_round_trip_sends_calls_and_results_back(tool_server):
     answer = second.choices[0]
     assert answer.message.tool_calls is None and isinstance(answer.message.content, str) and answer.message.content
     assert answer.finish_reason in ("stop", "length")
+    # The template has no tool role: the results, labelled with their calls, are answered, not repeated
+    # (as "<tool_response>" blocks) nor called for again.
+    assert "<tool_response>" not in answer.message.content and "<tool_call>" not in answer.message.content
+    assert "21" in answer.message.content, answer.message.content
+    again = client.chat.completions.create(messages=messages, tools=TOOLS, tool_choice="auto", **GREEDY).choices[0]
+    assert again.message.tool_calls is None and "<tool_response>" not in again.message.content
     # The history costs what its rendering costs: the calls and the result are in the prompt.
     without_history = client.chat.completions.create(messages=ASK, max_tokens=1, model=MODEL)
     assert second.usage.prompt_tokens > without_history.usage.prompt_tokens + 20
