@@ -39,7 +39,10 @@ def _is_real(x: object) -> bool:
 class StructuredOutputsParams:
     """A constraint on what a request may generate (vLLM's names). Exactly one of:
     `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON object), `regex`,
-    `choice` (one of these strings) or `grammar` (xgrammar's EBNF, GBNF-like, root rule `root`).
+    `choice` (one of these strings), `grammar` (xgrammar's EBNF, GBNF-like, root rule `root`) or
+    `structural_tag` (xgrammar's structural tag, as a dict or its JSON text: e.g. free text in which
+    each tool call, once its trigger is written, follows its schema; vLLM's older form
+    `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}` is taken too).
     `disable_any_whitespace`: JSON without optional whitespace between tokens.
 
     Compiled with xgrammar by the engine core (`engine/structured_output.py`); a spec it cannot
@@ -51,22 +54,28 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def fail(rule: str) -> None:
             raise ParameterError("structured_outputs", f"structured_outputs: {rule}")
 
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            fail(f"give exactly one of json, json_object, regex, choice or grammar, got {given or 'none'}")
+            fail(f"give exactly one of json, json_object, regex, choice, grammar or structural_tag, "
+                 f"got {given or 'none'}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             fail("json must be a JSON schema, as an object or its JSON text")
-        if isinstance(self.json, str):
-            try:
-                jsonlib.loads(self.json)
-            except ValueError as e:
-                fail(f"json is not valid JSON text: {e}")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            fail("structural_tag must be a structural tag, as an object or its JSON text")
+        for name in ("json", "structural_tag"):
+            if isinstance(getattr(self, name), str):
+                try:
+                    jsonlib.loads(getattr(self, name))
+                except ValueError as e:
+                    fail(f"{name} is not valid JSON text: {e}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
@@ -93,6 +102,9 @@ class StructuredOutputsParams:
             return "choice", jsonlib.dumps(self.choice), False
         if self.regex is not None:
             return "regex", self.regex, False
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            return "structural_tag", tag if isinstance(tag, str) else jsonlib.dumps(tag), False
         return "grammar", self.grammar, False
 
 

@@ -186,6 +186,10 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def config(self):
+        return self.engine.config
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 

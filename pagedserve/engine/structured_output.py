@@ -57,6 +57,22 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _structural_tag(text: str) -> str:
+    """xgrammar's structural tag JSON text; vLLM's older form (`structures` and `triggers`) is
+    rewritten as the tags it means: free text, each trigger opening one of the tags."""
+    tag = json.loads(text)
+    if not (isinstance(tag, dict) and "structures" in tag and "format" not in tag):
+        return text
+    try:
+        tags = [{"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+                 "end": s["end"]} for s in tag["structures"]]
+        triggers = tag["triggers"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"each of structures needs begin, schema and end, and triggers are needed: {e!r}") from None
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}})
+
+
 def check_grammar(spec: StructuredOutputsParams) -> None:
     """ParameterError (naming structured_outputs) unless xgrammar can build the grammar. Needs no
     vocabulary, so the front checks before a request reaches the core."""
@@ -71,6 +87,8 @@ def check_grammar(spec: StructuredOutputsParams) -> None:
             xgr.Grammar.from_ebnf(text)
         elif kind == "choice":
             xgr.Grammar.from_ebnf(_choice_grammar(spec.choice))
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(_structural_tag(text))
     except Exception as e:  # xgrammar raises RuntimeError (C++) or ValueError
         raise ParameterError("structured_outputs", f"the {kind} constraint cannot be compiled: {_reason(e)}") from None
 
@@ -120,6 +138,8 @@ class StructuredOutputManager:
                 return compiler.compile_regex(text)
             if kind == "choice":
                 return compiler.compile_grammar(_choice_grammar(spec.choice))
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(_structural_tag(text))
             return compiler.compile_grammar(text)
         except Exception as e:
             raise ParameterError("structured_outputs",

@@ -493,9 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's flag: tool_choice \"auto\" (the default with tools), the model's calls read by "
                        "--tool-call-parser (\"required\" and a named function work without it)")
-    serve.add_argument("--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
+    serve.add_argument("--tool-call-parser", choices=(*TOOL_PARSERS, "auto"), default=None,
                        help="vLLM's flag: the format of the model's tool calls, and the one tools are described in "
-                       "when the chat template does not render them (default: hermes)")
+                       "when the chat template does not render them (default: hermes); auto: the one whose call "
+                       "syntax the chat template writes (<tool_call>: hermes, <|python_tag|>: llama3_json), hermes "
+                       "for a template that renders no tools")
     ray = serve.add_argument_group("replicas on Ray Serve (pip install 'pagedserve[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve N engine replicas on Ray Serve behind one OpenAI ingress (a local Ray instance, or "

@@ -124,7 +124,12 @@ def test_grammar_state_survives_preemption(embedded_model, embedded_tokenizer, l
     ({"grammar": 'root ::= "(" [a-c]+ ")"'}, lambda t: re.fullmatch(r"\([a-c]+\)", t)),
     ({"json": PERSON, "disable_any_whitespace": True},  # no free whitespace: exactly json.dumps' form
      lambda t: jsonschema.validate(json.loads(t), PERSON) is None and json.dumps(json.loads(t), ensure_ascii=False) == t),
-], ids=["choice", "regex", "grammar", "compact_json"])
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "tag", "begin": "<person>", "end": "</person>",
+                                                              "content": {"type": "json_schema", "json_schema": PERSON,
+                                                                          "max_whitespace_cnt": 1}}}},
+     lambda t: t.startswith("<person>") and t.endswith("</person>")
+     and jsonschema.validate(json.loads(t.removeprefix("<person>").removesuffix("</person>")), PERSON) is None),
+], ids=["choice", "regex", "grammar", "compact_json", "structural_tag"])
 def test_each_kind_of_constraint(llm, spec, check):
     params = SamplingParams(n=2, max_tokens=128, temperature=0.8, seed=7,
                             structured_outputs=StructuredOutputsParams(**spec))
@@ -132,6 +137,20 @@ def test_each_kind_of_constraint(llm, spec, check):
         for sample in output.outputs:
             assert sample.finish_reason == "stop", sample
             assert check(sample.text), sample.text
+    assert_all_free(llm)
+
+
+def test_a_structural_tag_in_vllms_older_form_is_the_triggered_tags_it_means(llm):
+    """`structures` and `triggers` (vLLM's first form), as JSON text: free text, and a tag once its
+    trigger is written. Greedy, both forms give the same output."""
+    legacy = {"structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}], "triggers": ["<person>"]}
+    tags = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<person>"], "tags": [
+        {"type": "tag", "begin": "<person>", "content": {"type": "json_schema", "json_schema": PERSON},
+         "end": "</person>"}]}}
+    prompts = ["Describe a person between <person> tags:"]
+    older = llm.generate(prompts, constrained(max_tokens=24, structural_tag=json.dumps(legacy)), use_tqdm=False)
+    newer = llm.generate(prompts, constrained(max_tokens=24, structural_tag=tags), use_tqdm=False)
+    assert older[0].outputs[0].text == newer[0].outputs[0].text
     assert_all_free(llm)
 
 
@@ -150,6 +169,8 @@ def test_json_object_is_any_object(llm):
     ({"json": {"type": "bogus"}}, "Unsupported type"),
     ({"regex": "(ab"}, "parenthesis"),
     ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
+    ({"structural_tag": {"type": "structural_tag"}}, "format"),
+    ({"structural_tag": '{"structures": [{"begin": "<a>"}], "triggers": ["<a>"]}'}, "begin, schema and end"),
 ])
 def test_a_spec_that_cannot_compile_is_a_value_error_naming_it(llm, spec, message):
     with pytest.raises(ParameterError, match=message) as info:
@@ -166,6 +187,9 @@ def test_a_spec_that_cannot_compile_is_a_value_error_naming_it(llm, spec, messag
     ({"json": "{not json"}, "not valid JSON"),
     ({"choice": []}, "non-empty list"),
     ({"regex": ""}, "non-empty string"),
+    ({"structural_tag": "{not json"}, "structural_tag is not valid JSON"),
+    ({"structural_tag": ["<a>"]}, "structural_tag must be a structural tag"),
+    ({"json": PERSON, "structural_tag": "{}"}, "exactly one"),
 ])
 def test_bad_structured_outputs_params(kwargs, message):
     with pytest.raises(ParameterError, match=message):

@@ -151,3 +151,10 @@ def test_serve_refuses_a_limit_that_would_cut_every_connection(flag, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", flag, "0"])
     assert "must be > 0" in capsys.readouterr().err
+
+
+def test_tool_call_parser_auto_is_a_choice():
+    from pagedserve.entrypoints.cli import server_kwargs
+
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "auto"])
+    assert server_kwargs(args)["tool_call_parser"] == "auto"  # resolved from the chat template at startup

@@ -147,7 +147,7 @@ class StructuredOutputsField(RequestModel):
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
     disable_fallback: bool | None = None  # there is one backend, so nothing to fall back to
-    structural_tag: Annotated[Any, Refused()] = None
+    structural_tag: Annotated[str | dict[str, Any], ValidUnicode] | None = None
     whitespace_pattern: Annotated[Any, Refused()] = None
     disable_additional_properties: Annotated[Any, Refused(False)] = None
 
@@ -371,7 +371,7 @@ class ChatMessage(RequestModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # as vLLM joins text parts
 
 
 # ---- tools ---------------------------------------------------------------------------------------
@@ -473,12 +473,15 @@ class ChatCompletionRequest(SamplingRequest):
                                      "the tools")
         elif choice == "required" and not self.tools:
             raise ParameterError("tool_choice", 'tool_choice "required" needs tools')
-        elif choice == "auto":
-            # Only a constraint makes the arguments follow the schema, and "auto" has none.
-            strict = [tool.function.name for tool in self.tools or [] if tool.function.strict]
-            if strict:
-                raise ParameterError("tools", f"strict is true for {', '.join(strict)}, which this server "
-                                     'enforces only with tool_choice "required" or a named function')
+
+    def strict_auto_arguments(self) -> dict[str, dict[str, Any]] | None:
+        """For tool_choice "auto" with a strict tool: each tool's name -> the schema its arguments
+        must follow (a strict tool's parameters; any JSON object for a tool that is not strict).
+        None otherwise: "auto" without strict tools leaves the output free."""
+        if self.resolved_tool_choice() != "auto" or not any(tool.function.strict for tool in self.tools or []):
+            return None
+        return {tool.function.name: tool.function.parameters_schema() if tool.function.strict else {"type": "object"}
+                for tool in self.tools}
 
     def tool_schema(self) -> dict[str, Any] | None:
         """The JSON schema that tool_choice "required" or a named function puts on the output (as
@@ -599,6 +602,7 @@ class CompletionChoice(ResponseModel):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     # vLLM's, when prompt_logprobs is asked for: None for the first prompt token, then token id -> logprob.
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = _omit_none()
 
@@ -610,6 +614,7 @@ class CompletionResponse(ResponseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = _omit_none()
+    system_fingerprint: str | None = None
 
 
 class TopLogprob(ResponseModel):
@@ -648,6 +653,7 @@ class ChatCompletionChoice(ResponseModel):
     message: ChatResponseMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -657,6 +663,7 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    system_fingerprint: str | None = None
 
 
 class DeltaFunctionCall(ResponseModel):
@@ -684,6 +691,7 @@ class ChatCompletionStreamChoice(ResponseModel):
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(ResponseModel):
@@ -693,3 +701,4 @@ class ChatCompletionChunk(ResponseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = _omit_none()
+    system_fingerprint: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
 )
 from pagedserve.entrypoints.openai.tool_parsers import (
     CallArguments, CallStart, CallStream, Event, FirstCallOnly, HermesToolParser, NamedCallStream, PlainStream,
-    RequiredCallsStream, Text, collect, get_tool_parser,
+    RequiredCallsStream, Text, collect, get_tool_parser, parser_for_template,
 )
 from pagedserve.entrypoints.openai.tool_prompt import chat_turns, template_renders_tools
 from pagedserve.outputs import Logprob, RequestOutput, SampleLogprobs
@@ -33,26 +34,33 @@ AUTO_TOOL_CHOICE_OFF = ('"auto" tool choice requires --enable-auto-tool-choice a
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Chat completions, tool calls included. tool_call_parser (`hermes`, `llama3_json`) reads the
-    calls of tool_choice "auto", which enable_auto_tool_choice turns on (vLLM's flags);
-    "required" and a named function need neither: a JSON schema constrains the output."""
+    """Chat completions, tool calls included. tool_call_parser (`hermes`, `llama3_json`, or `auto`:
+    the one whose call syntax the chat template writes; hermes, the format the server writes tools
+    in, for a template that renders none) reads the calls of tool_choice "auto", which
+    enable_auto_tool_choice turns on (vLLM's flags); "required" and a named function need neither:
+    a JSON schema constrains the output. Strict tools under "auto" are enforced by an xgrammar
+    structural tag in the parser's format."""
 
     def __init__(self, *args, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.template_renders_tools = template_renders_tools(self.engine.tokenizer)
+        if tool_call_parser == "auto":  # a template that renders no tools gets the server's format: hermes
+            tool_call_parser = (parser_for_template(self.engine.tokenizer.chat_template) if self.template_renders_tools
+                                else HermesToolParser.name)
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
         # For a template that does not render tools, the server writes them and past calls in this format.
         self.call_format = self.tool_parser or HermesToolParser()
-        self.template_renders_tools = template_renders_tools(self.engine.tokenizer)
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self.check_tools(request)
+        strict_calls = self.strict_calls_constraint(request)
         # Before any template or tokenization: messages whose text cannot fit cost nothing. A
         # template puts each message's content into the prompt, at most trimmed of surrounding
         # whitespace (Llama 3's trims), so the stripped lengths are what the prompt holds at least.
@@ -68,6 +76,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.max_tokens_left(num_prompt_tokens)  # the operator's default, or the context limit
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, num_logprobs)
+        if strict_calls is not None:
+            params = dataclasses.replace(params, structured_outputs=strict_calls)
         request_id = random_id("chatcmpl")
         outputs = self.generate([prompt], params, request_id, "messages")
         # Wait for the first output before answering, so a refused prompt is still an HTTP error.
@@ -88,8 +98,10 @@ class OpenAIServingChat(OpenAIServing):
                             for c in tool_calls] or None)
             choices.append(ChatCompletionChoice(index=o.index, message=message,
                                                 finish_reason=calls.finish_reason(o.finish_reason),
+                                                stop_reason=o.stop_reason,
                                                 logprobs=self._logprobs(request, o.token_ids, o.logprobs)))
-        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=_usage(output))
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=_usage(output),
+                                          system_fingerprint=self.system_fingerprint)
         return JSONResponse(response.model_dump())
 
     def check_tools(self, request: ChatCompletionRequest) -> None:
@@ -104,6 +116,32 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(str(e).replace("structured_outputs", "tools", 1), param) from e
         if request.resolved_tool_choice() == "auto" and request.tools and not self.enable_auto_tool_choice:
             raise bad_request(AUTO_TOOL_CHOICE_OFF, "tool_choice")
+
+    def strict_calls_constraint(self, request: ChatCompletionRequest) -> StructuredOutputsParams | None:
+        """For tool_choice "auto" with strict tools: the structural tag that makes each call name one
+        of the tools and its arguments follow a strict tool's schema (any JSON object for a tool that
+        is not strict), while the model stays free to answer in text. A 400 naming `tools` when the
+        parser's format has no such tag, or when the tag does not compile; naming the other
+        constraint when the request has one too."""
+        arguments = request.strict_auto_arguments()
+        if arguments is None or not self.enable_auto_tool_choice:
+            return None
+        strict = ", ".join(tool.function.name for tool in request.tools if tool.function.strict)
+        tag = self.tool_parser.structural_tag(arguments, single_call=request.parallel_tool_calls is False)
+        if tag is None:
+            raise bad_request(f"strict is true for {strict}, which tool_choice \"auto\" cannot enforce with the "
+                              f"{self.tool_parser.name} tool call parser (use tool_choice \"required\" or a named "
+                              "function, or strict false)", "tools")
+        field = request.structured_output_field()
+        if field is not None:
+            raise bad_request(f"{field} cannot be combined with strict tools under tool_choice \"auto\": the tools "
+                              "constrain the output already", field)
+        constraint = StructuredOutputsParams(structural_tag=tag)
+        try:
+            check_grammar(constraint)
+        except ParameterError as e:
+            raise bad_request(str(e).replace("structured_outputs", "tools", 1), "tools") from e
+        return constraint
 
     def call_stream(self, request: ChatCompletionRequest) -> CallStream:
         """What reads one choice's output: content only, or content and tool calls."""
@@ -158,7 +196,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
-                                           usage=usage))
+                                           usage=usage, system_fingerprint=self.system_fingerprint))
 
         def chunks(output: RequestOutput):
             for o in output.outputs:
@@ -177,7 +215,8 @@ class OpenAIServingChat(OpenAIServing):
                     last = j == len(deltas) - 1
                     yield chunk([ChatCompletionStreamChoice(
                         index=o.index, delta=delta, logprobs=logprobs if j == 0 else None,
-                        finish_reason=calls[o.index].finish_reason(o.finish_reason) if last else None)])
+                        finish_reason=calls[o.index].finish_reason(o.finish_reason) if last else None,
+                        stop_reason=o.stop_reason if last else None)])
 
         async with aclosing(outputs):
             try:

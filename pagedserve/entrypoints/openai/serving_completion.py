@@ -83,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = [choice for i in range(len(prompts))
                    for choice in self._choices(request, i, final[i], echoes[i])]
         response = CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=_usage(final.values()))
+                                      usage=_usage(final.values()), system_fingerprint=self.system_fingerprint)
         return JSONResponse(response.model_dump())
 
     def _tokenize_all(self, prompts: list[str | list[int]]) -> list[Prompt]:
@@ -127,7 +127,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 _add_logprobs(logprobs, o.token_ids, o.logprobs, len(echo.text) if echo else 0, request.logprobs)
             choices.append(CompletionChoice(
                 index=i * len(output.outputs) + o.index, text=(echo.text if echo else "") + o.text,
-                finish_reason=o.finish_reason, logprobs=logprobs,
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason, logprobs=logprobs,
                 prompt_logprobs=_prompt_logprobs(output, request.prompt_logprobs)))
         return choices
 
@@ -158,9 +158,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     offsets[k] = _add_logprobs(logprobs, o.token_ids[tokens], o.logprobs[tokens], offsets[k],
                                                request.logprobs)
                 choice = CompletionChoice(
-                    index=k, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
+                    index=k, text=text, logprobs=logprobs, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                     prompt_logprobs=_prompt_logprobs(output, request.prompt_logprobs) if opening else None)
-                yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice]))
+                yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice],
+                                             system_fingerprint=self.system_fingerprint))
 
         async with aclosing(outputs):
             try:
@@ -171,7 +172,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield chunk
                 if request.include_usage:
                     yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
-                                                 usage=_usage(final.values())))
+                                                 usage=_usage(final.values()),
+                                                 system_fingerprint=self.system_fingerprint))
             except APIError as e:  # the status is sent already: the error goes in the stream
                 yield sse(e.body)
         yield SSE_DONE

@@ -5,6 +5,10 @@ request's prompts through the engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import hashlib
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -14,6 +18,7 @@ from typing import TypeVar
 
 from fastapi.responses import JSONResponse
 
+from pagedserve import __version__
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError
 from pagedserve.entrypoints.openai.limits import PromptBound
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ResponseModel, SamplingRequest
@@ -83,6 +88,19 @@ class Drain:
         return self._aborted_future
 
 
+def system_fingerprint(engine: AsyncLLMEngine, model_name: str) -> str:
+    """OpenAI's system_fingerprint: the same for every answer of one build serving one model with one
+    configuration, different when any of them changes (so a client can tell why outputs changed)."""
+    config = getattr(engine, "config", None)  # the engine's settings, where the front has them
+    facts = {"version": __version__, "model": model_name,
+             "tokenizer": getattr(engine.tokenizer, "name_or_path", None),
+             "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None,
+             "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+             "max_num_seqs": engine.max_num_seqs}
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+    return f"fp_{digest[:10]}"
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -130,6 +148,10 @@ class OpenAIServing:
         self.prompt_bound = prompt_bound
         self.default_max_tokens = default_max_tokens  # the operator's, for a request that sets none
         self.drain = drain or Drain()
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        return system_fingerprint(self.engine, self.model_name)
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the executor: for tokenizer work, which must not block the event loop."""

@@ -338,6 +338,13 @@ class ToolParser(ABC):
         """The content and the calls of a finished output."""
         return collect(self.stream().feed(text, final=True))
 
+    def structural_tag(self, arguments: dict[str, dict[str, Any]], single_call: bool) -> dict[str, Any] | None:
+        """An xgrammar structural tag for tool_choice "auto" with strict tools: free text, in which
+        a call, once its opening is written, names one of `arguments`' functions and has arguments
+        that follow the schema given for it; `single_call`: the output ends after the first call.
+        None when this format has no such tag (strict tools are then refused)."""
+        return None
+
 
 def _tool_lines(tools: list[dict[str, Any]]) -> str:
     return "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
@@ -364,6 +371,15 @@ class HermesToolParser(ToolParser):
                 "and </tool_call>, one block per call:\n<tool_call>\n"
                 '{"name": "<function name>", "arguments": {"<argument>": <value>}}\n</tool_call>')
 
+    def structural_tag(self, arguments: dict[str, dict[str, Any]], single_call: bool) -> dict[str, Any] | None:
+        # Each call as format_calls writes it, so the trigger's tags are the whole of the block.
+        tags = [{"type": "tag", "begin": f'{HermesStream.OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": TAG_MAX_WHITESPACE},
+                 "end": f"}}\n{HermesStream.CLOSE}"}
+                for name, schema in arguments.items()]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [HermesStream.OPEN],
+                                                     "tags": tags, "stop_after_first": single_call}}
+
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
@@ -383,6 +399,26 @@ class Llama3JsonToolParser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+
+# Whitespace allowed between two JSON tokens of constrained arguments (as JSON_MAX_WHITESPACE in
+# engine/structured_output.py: unbounded, a small model can write newlines until max_tokens).
+TAG_MAX_WHITESPACE = 1
+
+# `--tool-call-parser auto`: the parser whose call syntax the chat template writes, by a marker only
+# that syntax has (the first that the template's source contains wins).
+TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+
+
+def parser_for_template(template: str | dict[str, str] | None) -> str:
+    """The tool-call parser's name for a chat template (its source), for `--tool-call-parser auto`.
+    ValueError when the template writes no call syntax a parser knows."""
+    sources = list(template.values()) if isinstance(template, dict) else [template or ""]
+    for marker, name in TEMPLATE_MARKERS:
+        if any(marker in source for source in sources):
+            return name
+    raise ValueError("--tool-call-parser auto: the chat template writes no tool-call syntax that a parser knows "
+                     f"({', '.join(f'{m} for {n}' for m, n in TEMPLATE_MARKERS)}); name the parser: "
+                     f"{', '.join(TOOL_PARSERS)}")
 
 
 def get_tool_parser(name: str) -> ToolParser:

@@ -9,10 +9,15 @@ tools without a word, so the server writes them into the text itself, in the for
 parser it reads calls with:
 - the tools, and how to call them, go in a block at the end of the system message (a system
   message is added when there is none);
-- an assistant message's tool calls are written into its content as the model would have written
-  them (`<tool_call>...</tool_call>` for hermes);
-- tool results become a user message, each result between `<tool_response>` tags (consecutive
-  results share one message), since such templates know the roles system, user and assistant only.
+- tool results become a user message (such templates know the roles system, user and assistant
+  only) that says which call each result is of, `Result of the function call name({arguments}):`,
+  and asks for the answer. A call whose result is there moves into that message, out of the
+  assistant's turn: a small model copies its last turn, so a call left there is called again, and
+  a result in tags (`<tool_response>`) is answered with the tags. The message joins the user turn
+  before it when the assistant's turn had nothing else, as templates that want user and assistant
+  turns to alternate require;
+- an assistant's call without a result is written into its content as the model would have written
+  it (`<tool_call>...</tool_call>` for hermes).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from pagedserve.entrypoints.openai.protocol import ChatMessage
+from pagedserve.entrypoints.openai.protocol import ChatMessage, HistoryToolCall
 from pagedserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser
 
 
@@ -53,18 +58,27 @@ def chat_turns(messages: list[ChatMessage], tools: list[dict[str, Any]] | None, 
     history's calls, into the text."""
     if native:
         return _native_turns(messages)
+    answered = {m.tool_call_id for m in messages if m.role == "tool"}
+    calls_by_id = {c.id: c for m in messages for c in m.tool_calls or []}
     turns: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         if role == "tool":
-            result = f"<tool_response>\n{m.text()}\n</tool_response>"
-            if i and messages[i - 1].role == "tool":
-                turns[-1]["content"] += "\n" + result
+            result = f"{_result_label(calls_by_id.get(m.tool_call_id))}:\n{m.text()}"
+            if i and messages[i - 1].role == "tool":  # one message for consecutive results
+                asked = turns[-1]["content"].removesuffix(_ASK_ONE).removesuffix(_ASK_MANY)
+                turns[-1]["content"] = f"{asked}\n\n{result}{_ASK_MANY}"
+            elif turns and turns[-1]["role"] == "user":
+                turns[-1]["content"] += f"\n\n{result}{_ASK_ONE}"
             else:
-                turns.append({"role": "user", "content": result})
+                turns.append({"role": "user", "content": result + _ASK_ONE})
         elif m.tool_calls:
-            calls = parser.format_calls([ToolCall(c.function.name, c.function.arguments) for c in m.tool_calls])
-            turns.append({"role": role, "content": f"{m.text()}\n{calls}" if m.text() else calls})
+            unanswered = [ToolCall(c.function.name, c.function.arguments) for c in m.tool_calls
+                          if c.id not in answered]
+            parts = [m.text()] if m.text() else []
+            parts += [parser.format_calls(unanswered)] if unanswered else []
+            if parts:
+                turns.append({"role": role, "content": "\n".join(parts)})
         else:
             turns.append({"role": role, "content": m.text()})
     if tools:
@@ -74,6 +88,16 @@ def chat_turns(messages: list[ChatMessage], tools: list[dict[str, Any]] | None, 
         else:
             turns.insert(0, {"role": "system", "content": block})
     return turns
+
+
+_ASK_ONE = "\n\nAnswer with this result."
+_ASK_MANY = "\n\nAnswer with these results."
+
+
+def _result_label(call: HistoryToolCall | None) -> str:
+    if call is None:  # a result whose call is not in the conversation
+        return "Result of a function call"
+    return f"Result of the function call {call.function.name}({call.function.arguments})"
 
 
 def _native_turns(messages: list[ChatMessage]) -> list[dict[str, Any]]:

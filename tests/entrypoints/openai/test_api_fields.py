@@ -117,9 +117,71 @@ def test_the_developer_role_is_the_system_role_and_text_parts_are_text(server):
 
     system = reply([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Say hello."}])
     developer = reply([{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Say hello."}])
-    parts = reply([{"role": "system", "content": [{"type": "text", "text": "Answer in "}, {"type": "text", "text": "French."}]},
+    parts = reply([{"role": "system", "content": [{"type": "text", "text": "Answer in French."}]},
                    {"role": "user", "content": [{"type": "text", "text": "Say hello."}]}])
     assert developer == system == parts
+
+
+def test_content_parts_are_joined_with_a_newline_as_vllm_does(server, embedded_tokenizer):
+    """vLLM joins a message's text parts with "\n": the same prompt, so the same greedy answer."""
+    parts = [{"type": "text", "text": "Name a color."}, {"type": "text", "text": "Answer in one word."}]
+    joined = [{"role": "user", "content": "Name a color.\nAnswer in one word."}]
+    want = embedded_tokenizer.encode(embedded_tokenizer.apply_chat_template(joined, tokenize=False,
+                                                                            add_generation_prompt=True),
+                                     add_special_tokens=False)
+    got = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()
+    assert got["tokens"] == want
+
+    client = server.client()
+
+    def reply(content):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                              max_tokens=8, temperature=0).choices[0].message.content
+
+    assert reply(parts) == reply(joined[0]["content"])
+
+
+def test_system_fingerprint_on_every_answer_and_chunk(server):
+    client = server.client()
+    chat = client.chat.completions.create(model=MODEL, **CHAT)
+    fingerprint = chat.system_fingerprint
+    assert fingerprint.startswith("fp_") and len(fingerprint) > len("fp_")
+    completion = client.completions.create(model=MODEL, **COMPLETION)
+    chunks = list(client.chat.completions.create(model=MODEL, **CHAT, stream=True))
+    chunks += list(client.completions.create(model=MODEL, **COMPLETION, stream=True,
+                                             stream_options={"include_usage": True}))
+    # One server, one model, one configuration: one fingerprint.
+    assert {completion.system_fingerprint, *(c.system_fingerprint for c in chunks)} == {fingerprint}
+    assert client.chat.completions.create(model=MODEL, **CHAT).system_fingerprint == fingerprint
+
+
+def test_stop_reason_is_the_stop_string_or_token_that_ended_a_choice(server, embedded_tokenizer):
+    client = server.client()
+    prompt = COMPLETION["prompt"]
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0]
+    assert free.finish_reason == "length" and free.model_extra["stop_reason"] is None
+    tokens = embedded_tokenizer.encode(prompt + free.text)[len(embedded_tokenizer.encode(prompt)):]
+    assert embedded_tokenizer.decode(tokens) == free.text  # so tokens[2] is the third generated token
+
+    word = free.text.split()[1]
+    by_string = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[word, "zzz"])
+    assert by_string.choices[0].finish_reason == "stop" and by_string.choices[0].model_extra["stop_reason"] == word
+    by_token = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"stop_token_ids": [tokens[2]]})
+    assert by_token.choices[0].model_extra["stop_reason"] == tokens[2]
+
+    # Chat: the end of the answer (the model's end-of-sequence token) is no stop_reason, as vLLM's.
+    ended = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=40, temperature=0).choices[0]
+    assert ended.finish_reason == "stop" and ended.model_extra["stop_reason"] is None
+    chat_stop = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                               max_tokens=40, temperature=0, stop=[ended.message.content.split()[0]])
+    assert chat_stop.choices[0].model_extra["stop_reason"] == ended.message.content.split()[0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                                 max_tokens=40, temperature=0, stream=True,
+                                                 stop=[ended.message.content.split()[0]]))
+    reasons = [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices]
+    assert reasons[-1] == ended.message.content.split()[0] and set(reasons[:-1]) == {None}
 
 
 @pytest.mark.parametrize("part,message", [

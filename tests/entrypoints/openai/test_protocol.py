@@ -48,7 +48,7 @@ def test_sampling_fields_reach_the_sampling_params():
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "min_tokens": 1,
         "ignore_eos": True, "stop_token_ids": [7], "include_stop_str_in_output": True, "skip_special_tokens": False,
     })
-    assert request.messages[0].text() == "ab"
+    assert request.messages[0].text() == "a\nb"  # text parts joined with a newline, as vLLM joins them
     assert request.to_sampling_params(9, 2) == SamplingParams(
         n=2, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["x"], presence_penalty=0.5,
         frequency_penalty=-0.5, repetition_penalty=1.1, min_tokens=1, ignore_eos=True, stop_token_ids=[7],

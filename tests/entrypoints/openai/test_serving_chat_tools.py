@@ -141,6 +141,12 @@ def test_an_agent_round_trip_sends_calls_and_results_back(tool_server):
     answer = second.choices[0]
     assert answer.message.tool_calls is None and isinstance(answer.message.content, str) and answer.message.content
     assert answer.finish_reason in ("stop", "length")
+    # The template has no tool role: the results, labelled with their calls, are answered, not repeated
+    # (as "<tool_response>" blocks) nor called for again.
+    assert "<tool_response>" not in answer.message.content and "<tool_call>" not in answer.message.content
+    assert "21" in answer.message.content, answer.message.content
+    again = client.chat.completions.create(messages=messages, tools=TOOLS, tool_choice="auto", **GREEDY).choices[0]
+    assert again.message.tool_calls is None and "<tool_response>" not in again.message.content
     # The history costs what its rendering costs: the calls and the result are in the prompt.
     without_history = client.chat.completions.create(messages=ASK, max_tokens=1, model=MODEL)
     assert second.usage.prompt_tokens > without_history.usage.prompt_tokens + 20
@@ -260,10 +266,95 @@ def test_auto_without_the_servers_flags_is_a_400_saying_which_flags(server):
     assert post(server, {"tool_choice": "auto"}).status_code == post(server, {"tools": []}).status_code == 200
 
 
-def test_strict_is_refused_where_nothing_enforces_it(tool_server):
-    strict = {"type": "function", "function": {**ADD["function"], "strict": True}}
-    r = post(tool_server, {"tools": [strict]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+# A strict tool as OpenAI's SDKs write one (openai.pydantic_function_tool, the Agents SDK's
+# function_tool): every property required, no others. The enum is one the 135M model would not
+# write on its own ("Paris" is what it writes): only the constraint makes the arguments follow it.
+STRICT_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Lyon", "Nice"]},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+# An earlier call in the history, which the 135M model copies: it calls get_weather on its own.
+CALLED_BEFORE = [{"role": "user", "content": "What is the weather like in Rome today?"},
+                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                     "name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
+                 *ASK]
+
+
+def test_strict_tools_under_auto_call_with_arguments_that_follow_the_schema(tool_server):
+    client = tool_server.client()
+    request = dict(messages=CALLED_BEFORE, tools=[ADD, STRICT_WEATHER], tool_choice="auto",
+                   **GREEDY | {"max_tokens": 80})
+    free = client.chat.completions.create(**request | {"tools": [ADD, {"type": "function", "function": {
+        **STRICT_WEATHER["function"], "strict": False}}]}).choices[0]
+    assert free.message.tool_calls  # the model calls on its own here...
+    with pytest.raises(jsonschema.ValidationError):  # ...with arguments the schema does not allow
+        check_calls(free.message, [STRICT_WEATHER])
+
+    answer = client.chat.completions.create(**request).choices[0]
+    assert [call.function.name for call in check_calls(answer.message, [ADD, STRICT_WEATHER])] == ["get_weather"]
+    assert answer.finish_reason == "tool_calls"
+    chunks, final = streamed(client, **request)
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in answer.message.tool_calls]
+
+
+def test_strict_tools_under_auto_leave_the_model_free_to_answer_in_text(tool_server):
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    answer = tool_server.client().chat.completions.create(messages=messages, tools=[STRICT_WEATHER], **GREEDY)
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content and "<tool_call>" not in choice.message.content
+
+
+def test_openai_pydantic_function_tool_under_auto(tool_server):
+    from pydantic import BaseModel
+
+    class GetWeather(BaseModel):
+        """Get the current weather in a city."""
+        city: str
+        unit: str
+
+    tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    assert tool["function"]["strict"] and tool["function"]["parameters"]["additionalProperties"] is False
+    completion = tool_server.client().chat.completions.parse(messages=CALLED_BEFORE, tools=[tool],
+                                                           **GREEDY | {"max_tokens": 80})
+    message = completion.choices[0].message
+    [call] = check_calls(message, [tool])
+    assert isinstance(call.function.parsed_arguments, GetWeather)  # the client's own parse of the arguments
+
+
+def test_an_agents_sdk_function_tool_runs_and_the_agent_answers_in_text(tool_server):
+    """The Agents SDK in Chat Completions mode: its function tools are strict; the first turn is
+    forced to call (the 135M model would not), the second is "auto" with the strict tool (the SDK
+    resets tool_choice after a call) and must answer the user from the tool's result."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return f"21 degrees and sunny in {city}"
+
+    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0))
+    agent = Agent(name="weather", instructions="You answer questions about the weather.", tools=[get_weather],
+                  model=model, model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="required"))
+    result = asyncio.run(Runner.run(agent, "What is the weather like in Paris today?", max_turns=3))
+    assert calls and all(isinstance(city, str) for city in calls)
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert not result.final_output.lstrip().startswith(("<tool_response>", "<tool_call>")), result.final_output
+
+
+def test_strict_tools_under_auto_and_another_constraint_are_a_400(tool_server):
+    r = post(tool_server, {"tools": [STRICT_WEATHER], "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     assert "strict" in r.json()["error"]["message"]
 
 

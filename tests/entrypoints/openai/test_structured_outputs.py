@@ -100,7 +100,8 @@ def test_same_as_the_offline_api(server, offline):
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice", "cannot be combined"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
     ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "not supported"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "cannot be compiled"),
+    ({"structured_outputs": {"structural_tag": "<tag>"}}, "structured_outputs", "not valid JSON"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, body, param, message):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body},

@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve.entrypoints.openai.tool_parsers import (
     CallArguments, CallStart, FirstCallOnly, HermesToolParser, Llama3JsonToolParser, NamedCallStream,
-    RequiredCallsStream, Text, ToolCall, collect, get_tool_parser,
+    RequiredCallsStream, Text, ToolCall, collect, get_tool_parser, parser_for_template,
 )
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -154,3 +154,67 @@ def test_instructions_list_every_tool_as_json(name):
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         get_tool_parser("mistral")
+
+
+# ---- strict tools under tool_choice "auto" -----------------------------------------------------
+
+STRICT_ARGUMENTS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}},
+                                    "required": ["city"], "additionalProperties": False},
+                    "free": {"type": "object"}}
+
+
+@pytest.fixture(scope="module")
+def tag_grammar(embedded_tokenizer):
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(embedded_tokenizer)
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    def accepts(tag: dict, text: str) -> bool:
+        return xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag))).accept_string(text)
+
+    return accepts
+
+
+@pytest.mark.parametrize("text,accepted", [
+    ("Any answer in text, <b>tags</b> and {braces} included.", True),
+    # What format_calls writes, and so what the instructions show the model.
+    (HermesToolParser().format_calls([ToolCall("get_weather", '{"city": "Paris"}')]), True),
+    ('It is: <tool_call>\n{"name": "free", "arguments": {"any": [1, 2]}}\n</tool_call> then text', True),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": 7}}\n</tool_call>', False),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>', False),
+    ('<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>', False),  # not one of the tools
+    ("<tool_call>not a call</tool_call>", False),
+])
+def test_hermes_tag_lets_text_be_and_holds_each_call_to_its_schema(tag_grammar, text, accepted):
+    tag = HermesToolParser().structural_tag(STRICT_ARGUMENTS, single_call=False)
+    assert tag_grammar(tag, text) is accepted
+    if accepted and "<tool_call>" in text:
+        assert HermesToolParser().extract(text)[1]  # what the tag allows, the parser reads as a call
+
+
+def test_hermes_tag_for_a_single_call_ends_after_it(tag_grammar):
+    call = HermesToolParser().format_calls([ToolCall("get_weather", '{"city": "Paris"}')])
+    single = HermesToolParser().structural_tag(STRICT_ARGUMENTS, single_call=True)
+    assert tag_grammar(single, call) and not tag_grammar(single, f"{call}\n{call}")
+    assert tag_grammar(HermesToolParser().structural_tag(STRICT_ARGUMENTS, single_call=False), f"{call}\n{call}")
+
+
+def test_llama3_json_has_no_tag():
+    assert Llama3JsonToolParser().structural_tag(STRICT_ARGUMENTS, single_call=False) is None
+
+
+@pytest.mark.parametrize("template,parser", [
+    ("{% for m in messages %}<tool_call>{{ m.content }}</tool_call>{% endfor %}", "hermes"),
+    ("{{ '<|python_tag|>' }}{% for m in messages %}{{ m.content }}{% endfor %}", "llama3_json"),
+    ({"default": "{{ messages }}", "tool_use": "{{ tools }}<tool_call>"}, "hermes"),
+])
+def test_parser_for_template_reads_the_call_syntax_the_template_writes(template, parser):
+    assert parser_for_template(template) == parser
+
+
+def test_parser_for_template_without_a_known_syntax_is_an_error(embedded_tokenizer):
+    with pytest.raises(ValueError, match="--tool-call-parser auto: the chat template writes no tool-call syntax"):
+        parser_for_template(embedded_tokenizer.chat_template)
+    with pytest.raises(ValueError, match="hermes, llama3_json"):
+        parser_for_template(None)

@@ -83,20 +83,35 @@ def test_a_template_that_renders_tools_gets_tools_calls_and_results_as_they_are(
     assert ids == tool_tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_without_tool_support_the_server_writes_tools_calls_and_results_into_the_text(embedded_tokenizer):
+def test_without_tool_support_results_are_labelled_with_their_calls_in_the_users_turn(embedded_tokenizer):
     text, _ = serving(embedded_tokenizer).chat_prompt(messages(HISTORY), True, TOOLS)
     hermes = HermesToolParser()
-    calls = hermes.format_calls(hermes.extract(
-        f'<tool_call>{{"name": "get_weather", "arguments": {ARGS}}}</tool_call>'
-        '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')[1])
     assert text == (
         f"<|im_start|>system\n{hermes.instructions(TOOLS)}<|im_end|>\n"  # in place of the template's default
-        "<|im_start|>user\nWeather in Paris and Rome?<|im_end|>\n"
-        f"<|im_start|>assistant\n{calls}<|im_end|>\n"
-        # Both results in one user turn: such templates know system, user and assistant only.
-        "<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\n25 C\n</tool_response><|im_end|>\n"
+        # The calls (their results are there) leave the assistant's turn, which had nothing else, and
+        # both results join the user's turn: such templates know system, user and assistant only.
+        "<|im_start|>user\nWeather in Paris and Rome?\n\n"
+        f"Result of the function call get_weather({ARGS}):\n21 C\n\n"
+        'Result of the function call get_weather({"city": "Rome"}):\n25 C\n\n'
+        "Answer with these results.<|im_end|>\n"
         "<|im_start|>assistant\n")
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in calls
+    assert "<tool_response>" not in text
+
+    third = messages([*HISTORY, {"role": "tool", "tool_call_id": "call_9", "content": "no call"}])
+    text = serving(embedded_tokenizer).chat_prompt(third, True, TOOLS)[0]
+    assert text.endswith("25 C\n\nResult of a function call:\nno call\n\nAnswer with these results.<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+
+
+def test_without_tool_support_a_call_without_its_result_stays_in_the_assistants_turn(embedded_tokenizer):
+    conversation = messages([*HISTORY[:2], {**HISTORY[2]}, {"role": "assistant", "content": "Rome next."}])
+    text, _ = serving(embedded_tokenizer).chat_prompt(conversation, True, TOOLS)
+    rome = HermesToolParser().format_calls(HermesToolParser().extract(
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')[1])
+    assert (f"<|im_start|>assistant\n{rome}<|im_end|>\n<|im_start|>user\n"
+            f"Result of the function call get_weather({ARGS}):\n21 C\n\nAnswer with this result.<|im_end|>\n"
+            "<|im_start|>assistant\nRome next.<|im_end|>") in text
+    assert rome.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
 
 
 def test_the_tools_block_joins_the_system_message_in_the_servers_format(embedded_tokenizer):
@@ -106,7 +121,12 @@ def test_the_tools_block_joins_the_system_message_in_the_servers_format(embedded
     text, _ = serving(embedded_tokenizer, "llama3_json").chat_prompt(conversation, True, TOOLS)
     llama = Llama3JsonToolParser()
     assert text.startswith(f"<|im_start|>system\nBe brief.\n\n{llama.instructions(TOOLS)}<|im_end|>\n")
-    assert f'<|im_start|>assistant\nChecking.\n{{"name": "get_weather", "parameters": {ARGS}}}<|im_end|>' in text
+    # The assistant's text stays in its turn; the call, answered, goes with its result.
+    assert ("<|im_start|>assistant\nChecking.<|im_end|>\n<|im_start|>user\n"
+            f"Result of the function call get_weather({ARGS}):\n21 C\n\nAnswer with this result.<|im_end|>") in text
+    without_result = serving(embedded_tokenizer, "llama3_json").chat_prompt(conversation[:3], True, TOOLS)[0]
+    assert f'<|im_start|>assistant\nChecking.\n{{"name": "get_weather", "parameters": {ARGS}}}<|im_end|>' in \
+        without_result
 
 
 def test_without_tools_a_conversation_renders_as_before(embedded_tokenizer):
@@ -114,3 +134,35 @@ def test_without_tools_a_conversation_renders_as_before(embedded_tokenizer):
     text, _ = serving(embedded_tokenizer).chat_prompt(plain, True, None)
     assert text == embedded_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                                           add_generation_prompt=True)
+
+
+# ---- --tool-call-parser auto, and strict tools under "auto" per parser --------------------------
+
+
+def test_auto_parser_is_the_templates_call_syntax_or_the_servers_format(embedded_tokenizer, tool_tokenizer):
+    assert serving(embedded_tokenizer, "auto").tool_parser.name == "hermes"  # renders no tools: the server's format
+    hermes_template = copy.deepcopy(embedded_tokenizer)
+    hermes_template.chat_template = "{{ tools | tojson }}{% for m in messages %}<tool_call>{{ m.content }}{% endfor %}"
+    assert serving(hermes_template, "auto").tool_parser.name == "hermes"
+    with pytest.raises(ValueError, match="--tool-call-parser auto: the chat template writes no tool-call syntax"):
+        serving(tool_tokenizer, "auto")  # renders tools, in a syntax no parser reads
+
+
+def test_strict_tools_under_auto_are_a_400_naming_tools_where_the_parser_has_no_tag(embedded_tokenizer):
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedserve.entrypoints.openai.serving_engine import APIError
+
+    strict = {"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}
+    request = ChatCompletionRequest.model_validate({"messages": HISTORY[:1], "tools": [strict]})
+    chat = OpenAIServingChat(SimpleNamespace(tokenizer=embedded_tokenizer), "m", enable_auto_tool_choice=True,
+                             tool_call_parser="llama3_json")
+    with pytest.raises(APIError) as info:
+        chat.strict_calls_constraint(request)
+    assert info.value.status == 400 and info.value.body.error.param == "tools"
+    assert "strict is true for get_weather" in info.value.body.error.message
+    assert "llama3_json" in info.value.body.error.message
+    hermes = OpenAIServingChat(SimpleNamespace(tokenizer=embedded_tokenizer), "m", enable_auto_tool_choice=True,
+                               tool_call_parser="hermes")
+    assert hermes.strict_calls_constraint(request).structural_tag["format"]["triggers"] == ["<tool_call>"]
+    not_strict = ChatCompletionRequest.model_validate({"messages": HISTORY[:1], "tools": TOOLS})
+    assert chat.strict_calls_constraint(not_strict) is None  # nothing to enforce: the output stays free
