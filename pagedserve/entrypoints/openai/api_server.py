@@ -32,7 +32,8 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_engine import APIError, Drain, bad_request, server_error, shutting_down
+from pagedserve.entrypoints.openai.serving_engine import (APIError, Drain, bad_request, engine_unavailable, server_error,
+                                                         shutting_down)
 from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ ERROR_STATUSES = {
     408: "The request body did not arrive in time",
     413: "The request body is over the server's limit",
     500: "The engine failed while serving the request",
-    503: "The server is shutting down (draining) or its engine is not running",
+    503: "The server is shutting down (draining), or its engine is not running: restarting after its core died, "
+         "or stalled",
 }
 
 
@@ -148,8 +150,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def health() -> Response:
         if drain.draining:
             return shutting_down().response()
-        if not engine.is_running:
-            return APIError(503, "the engine is not running", type="server_error").response()
+        problem = engine.health_problem() if hasattr(engine, "health_problem") else (
+            None if engine.is_running else "the engine is not running")
+        if problem is not None:
+            return engine_unavailable(problem).response()
         return JSONResponse(HealthStatus().model_dump())
 
     @app.get("/metrics")

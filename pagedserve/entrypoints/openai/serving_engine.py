@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from fastapi.responses import JSONResponse
 
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError, EngineUnavailable
 from pagedserve.entrypoints.openai.limits import PromptBound
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ResponseModel, SamplingRequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
@@ -49,6 +49,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error")
+
+
+def engine_unavailable(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="engine_unavailable")
 
 
 def shutting_down(message: str = "the server is shutting down") -> APIError:
@@ -203,6 +207,8 @@ class OpenAIServing:
                     yield item
             except ValueError as e:  # the engine refused a prompt (or, named, a parameter)
                 raise bad_request(str(e), getattr(e, "param", param)) from e
+            except EngineUnavailable as e:  # the core died or is restarting: retry later
+                raise engine_unavailable(str(e)) from e
             except EngineError as e:
                 raise server_error(str(e)) from e
             except Interrupted:
