@@ -7,10 +7,11 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
 from pagedserve.engine.structured_output import check_grammar
+from pagedserve.entrypoints.openai.limits import RequestWork
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage, DeltaFunctionCall,
@@ -67,6 +68,7 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:
             max_tokens = self.max_tokens_left(num_prompt_tokens)  # the operator's default, or the context limit
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        self.check_work(RequestWork((num_prompt_tokens,), request.n or 1, max_tokens, num_logprobs or 0))
         params = self.sampling_params(request, max_tokens, num_logprobs)
         request_id = random_id("chatcmpl")
         outputs = self.generate([prompt], params, request_id, "messages")
@@ -90,7 +92,7 @@ class OpenAIServingChat(OpenAIServing):
                                                 finish_reason=calls.finish_reason(o.finish_reason),
                                                 logprobs=self._logprobs(request, o.token_ids, o.logprobs)))
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=_usage(output))
-        return JSONResponse(response.model_dump())
+        return await self.respond(response)
 
     def check_tools(self, request: ChatCompletionRequest) -> None:
         """A 400 naming the field for a tool_choice the tools or the server cannot serve."""

@@ -5,6 +5,7 @@ request's prompts through the engine."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -13,10 +14,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi.responses import JSONResponse
+from pydantic_core import PydanticSerializationError
+from starlette.responses import Response
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError, EngineUnavailable
-from pagedserve.entrypoints.openai.limits import PromptBound
+from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, PromptBound, RequestWork
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ResponseModel, SamplingRequest
+from pagedserve.entrypoints.openai.tool_parsers import escape_lone_surrogates
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import ParameterError, SamplingParams
 
@@ -91,9 +95,26 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _json_text(data: ResponseModel) -> str:
+    try:
+        return data.model_dump_json()
+    except PydanticSerializationError:  # a lone surrogate: UTF-8 cannot hold it, its escape can
+        return escape_lone_surrogates(json.dumps(data.model_dump(), ensure_ascii=False, separators=(",", ":")))
+
+
 def sse(data: ResponseModel | str) -> str:
     """One server-sent event."""
-    return f"data: {data if isinstance(data, str) else data.model_dump_json()}\n\n"
+    return f"data: {data if isinstance(data, str) else _json_text(data)}\n\n"
+
+
+def json_response(data: ResponseModel) -> Response:
+    """A whole response as JSON (what JSONResponse writes; lone surrogates escaped)."""
+    content = data.model_dump()
+    try:
+        return JSONResponse(content)
+    except UnicodeEncodeError:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return Response(escape_lone_surrogates(text).encode(), media_type="application/json")
 
 
 SSE_DONE = sse("[DONE]")
@@ -127,17 +148,29 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, *, executor: Executor | None = None,
                  prompt_bound: PromptBound | None = None, default_max_tokens: int | None = None,
-                 drain: Drain | None = None) -> None:
+                 drain: Drain | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
         self.engine = engine
         self.model_name = model_name
         self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedserve-tokenizer")
         self.prompt_bound = prompt_bound
         self.default_max_tokens = default_max_tokens  # the operator's, for a request that sets none
         self.drain = drain or Drain()
+        self.max_request_tokens = max_request_tokens  # the work one request may ask for (limits.RequestWork)
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the executor: for tokenizer work, which must not block the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def respond(self, data: ResponseModel) -> Response:
+        """The JSON response, serialized on the executor: a large one (many choices, logprobs) would
+        hold the event loop, and so every other client and /health, for as long as it takes."""
+        return await self.run_blocking(json_response, data)
+
+    def check_work(self, work: RequestWork) -> None:
+        """A 400 naming the field for a request that asks for more than the server's budget."""
+        refusal = work.over(self.max_request_tokens)
+        if refusal is not None:
+            raise bad_request(*refusal)
 
     async def check_prompt_chars(self, texts: list[str], param: str) -> None:
         """Refuse, before tokenizing, a prompt (made of `texts`) whose characters cannot fit the
