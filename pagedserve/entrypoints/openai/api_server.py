@@ -32,8 +32,9 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_engine import (APIError, Drain, bad_request, engine_unavailable, server_error,
-                                                         shutting_down)
+from pagedserve.entrypoints.openai.serving_engine import (
+    APIError, Drain, bad_request, engine_unavailable, server_error, shutting_down,
+)
 from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -89,8 +90,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     generation setting; default: up to the context limit for chat, 16 for completions);
     enable_auto_tool_choice and tool_call_parser: vLLM's tool-calling settings (serving_chat);
     extra_collectors: more prometheus collectors for /metrics; max_request_tokens: the most tokens
-    and logprob entries one request may ask for (limits.RequestWork; more is a 400). The app's drain (app.state.drain) is
-    driven by http_server.GracefulServer."""
+    and logprob entries one request may ask for (limits.RequestWork; more is a 400). The app's
+    drain (app.state.drain) is driven by http_server.GracefulServer."""
     bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(bound and bound.max_chars)

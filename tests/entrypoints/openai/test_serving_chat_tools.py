@@ -191,7 +191,8 @@ def test_a_lone_surrogate_in_a_calls_arguments_is_escaped_answered_and_streamed(
     """The model writes a JSON escape of a lone surrogate in a call's arguments (a guided regex makes
     it): the parsed value cannot be UTF-8 encoded, yet the answer is a 200 and the stream ends with
     [DONE], the arguments valid JSON that mean what the model wrote."""
-    output = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\ud800is", "unit": "celsius"}}\n</tool_call>'
+    output = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\ud800is", "unit": "celsius"}}'
+              '\n</tool_call>')
     request = dict(messages=ASK, tools=TOOLS, tool_choice="auto", model=MODEL, max_tokens=100,
                    extra_body={"structured_outputs": {"regex": re.escape(output)}})
     client = tool_server.client()
