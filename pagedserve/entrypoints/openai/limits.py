@@ -32,7 +32,8 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20  # when there is no character bound to derive 
 # The most tokens (and logprob entries) one request may make the server produce and return
 # (`request_work`). A small body can ask for a huge answer: 8 prompts of 1,000 tokens with n 128,
 # echo and 20 logprobs is 22 million entries, a 567 MB response. 4 Mi entries admit n up to 256
-# with 16k tokens each, or a full 128k context with 31 logprobs; about 100 MB of JSON at most.
+# with 16k tokens each, or a full 128k context with 31 logprobs; about 75 MB of JSON at most (some
+# 18 bytes an entry).
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 22
 
 # Steps that never make the text shorter, so each character still reaches the vocabulary.

@@ -107,17 +107,33 @@ def sse(data: ResponseModel | str) -> str:
     return f"data: {data if isinstance(data, str) else _json_text(data)}\n\n"
 
 
+SSE_DONE = sse("[DONE]")
+
+
 def json_response(data: ResponseModel) -> Response:
-    """A whole response as JSON (what JSONResponse writes; lone surrogates escaped)."""
-    content = data.model_dump()
+    """A whole response as JSON (what JSONResponse writes; lone surrogates escaped). Each choice is
+    serialized on its own: one serializer call holds the GIL throughout, so a response made in one
+    call would stall the event loop for all of it even from another thread; between choices the
+    loop gets its turns."""
+    choices = getattr(data, "choices", None)
+    if not choices or len(choices) < 2:
+        return Response(_json_bytes(data.model_dump()), media_type="application/json")
+    head = _json_bytes(data.model_copy(update={"choices": []}).model_dump())
+    # The key can only occur once, as the key: inside a JSON string every quote is escaped.
+    before, after = head.split(b'"choices":[]', 1)
+    parts = [before, b'"choices":[']
+    for i, choice in enumerate(choices):
+        parts += [b"," if i else b"", _json_bytes(choice.model_dump())]
+    parts += [b"]", after]
+    return Response(b"".join(parts), media_type="application/json")
+
+
+def _json_bytes(content) -> bytes:
     try:
-        return JSONResponse(content)
+        return JSONResponse(content).body
     except UnicodeEncodeError:
         text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        return Response(escape_lone_surrogates(text).encode(), media_type="application/json")
-
-
-SSE_DONE = sse("[DONE]")
+        return escape_lone_surrogates(text).encode()
 
 
 @dataclass
