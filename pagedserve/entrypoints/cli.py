@@ -188,6 +188,8 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     engine loads)."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    if args.engine_max_restarts < 0:
+        raise ValueError(f"--engine-max-restarts must be >= 0, got {args.engine_max_restarts}")
     return dict(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                 timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
                 body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
