@@ -35,6 +35,10 @@ class EngineError(RuntimeError):
     """The engine failed while serving a request: a server fault, not the client's."""
 
 
+class EngineUnavailable(EngineError):
+    """The engine cannot serve now (its core is restarting, or gone): the server answers 503."""
+
+
 @dataclass(frozen=True)
 class EngineStatsSnapshot:
     """The engine's figures after a step. Counts are per sequence (a request with n samples is n)."""

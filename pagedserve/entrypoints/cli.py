@@ -188,12 +188,16 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     engine loads)."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    if args.engine_max_restarts < 0:
+        raise ValueError(f"--engine-max-restarts must be >= 0, got {args.engine_max_restarts}")
     return dict(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                 timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
                 body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
                 max_body_bytes=args.max_body_bytes, engine_core=args.engine_core,
                 default_max_tokens=generation_config_max_tokens(args.override_generation_config),
-                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                max_request_tokens=args.max_request_tokens, engine_max_restarts=args.engine_max_restarts,
+                engine_stall_timeout=args.engine_stall_timeout)
 
 
 def generation_config_max_tokens(override: str | None) -> int | None:
@@ -490,6 +494,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-core", choices=("process", "thread"), default="process",
                        help="where the engine core runs: its own process, fed over ZMQ while this one does HTTP, "
                        "tokenization and detokenization (default); or a thread of this process")
+    serve.add_argument("--max-request-tokens", type=positive(int), default=1 << 22,
+                       help="the most tokens and logprob entries one request may ask the server to produce and return: "
+                       "prompts x n x (max_tokens, + the prompt with echo) x (1 + logprobs); more is a 400 (default: "
+                       "4194304)")
+    serve.add_argument("--engine-max-restarts", type=int, default=3,
+                       help="if the engine core process dies: how many times to start a new one (waiting 1, 2, 4 s ... "
+                       "before each), requests in flight failing with 503; if none starts the server exits 1 "
+                       "(default: 3; 0: exit at once)")
+    serve.add_argument("--engine-stall-timeout", type=positive(float), default=60.0,
+                       help="seconds the engine core may have requests in flight without finishing a step before "
+                       "/health answers 503 (default: 60)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's flag: tool_choice \"auto\" (the default with tools), the model's calls read by "
                        "--tool-call-parser (\"required\" and a named function work without it)")

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import EngineError
+from pagedserve.engine.async_engine import EngineError, EngineUnavailable
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
@@ -162,8 +162,8 @@ def test_the_core_freezes_its_startup_objects_before_it_reports_ready(tiny, embe
     assert match and int(match.group(1)) > 10_000, log
 
 
-def test_the_core_process_dies_and_everyone_in_flight_fails_fast(tiny, embedded_tokenizer):
-    engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120)
+def test_the_core_process_dies_everyone_in_flight_fails_fast_and_a_new_core_serves(tiny, embedded_tokenizer):
+    engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120, restart_backoff=0.5)
     engine.start()
     try:
         async def main():
@@ -173,20 +173,88 @@ def test_the_core_process_dies_and_everyone_in_flight_fails_fast(tiny, embedded_
             tasks = [asyncio.create_task(long(i)) for i in range(3)]
             while engine.stats.num_running < 3:
                 await asyncio.sleep(0.01)
-            os.kill(engine.core_pid, signal.SIGKILL)
+            before = engine.stats
+            old_pid = engine.core_pid
+            os.kill(old_pid, signal.SIGKILL)
             start = time.monotonic()
             results = await asyncio.gather(*tasks, return_exceptions=True)
-            return results, time.monotonic() - start
+            return results, time.monotonic() - start, before, old_pid
 
-        results, waited = asyncio.run(main())
-        assert all(isinstance(r, EngineError) and "died" in str(r) for r in results), results
+        results, waited, before, old_pid = asyncio.run(main())
+        assert all(isinstance(r, EngineUnavailable) and "killed by signal SIGKILL" in str(r) for r in results), results
         assert waited < 2.0
-        assert not engine.is_running
-        with pytest.raises(EngineError, match="died"):
+        assert not process_alive(old_pid)  # reaped, not a zombie
+        assert engine.health_problem() is not None  # restarting: /health says 503
+        with pytest.raises(EngineUnavailable, match="restarting"):
+            run_async_raising(engine, PROMPTS[0], SamplingParams(max_tokens=2))
+        deadline = time.monotonic() + 120
+        while not engine.is_running:
+            assert time.monotonic() < deadline, "the core did not come back"
+            time.sleep(0.05)
+        assert engine.health_problem() is None and engine.core_pid != old_pid and engine.num_restarts == 1
+        # The new core serves, and the figures go on from the old core's: no counter goes back.
+        got = run_async(engine, [(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0))])[0]
+        assert len(got.outputs[0].token_ids) == 4
+        after = engine.stats
+        assert after.finished["error"] == before.finished.get("error", 0) + 3
+        assert after.num_generation_tokens >= before.num_generation_tokens + 4
+        assert after.kv.prefix_queries >= before.kv.prefix_queries + len(PROMPTS[0])
+        assert after.num_running == after.num_waiting == 0 and after.kv.free_blocks == after.kv.total_blocks
+    finally:
+        engine.shutdown()
+    assert not engine._process.is_alive()
+
+
+def test_a_core_that_cannot_restart_leaves_the_engine_dead_and_says_so(tiny, embedded_tokenizer, tmp_path):
+    engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120, max_restarts=2,
+                      restart_backoff=0.05)
+    engine.start()
+    reasons = []
+    engine.add_dead_hook(reasons.append)
+    try:
+        engine.config = config(tmp_path / "missing")  # every new core fails to load its model
+        os.kill(engine.core_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not reasons:
+            assert time.monotonic() < deadline, "the engine did not give up"
+            time.sleep(0.05)
+        assert "killed by signal SIGKILL" in reasons[0] and "2 tries" in reasons[0]
+        assert not engine.is_running and "not running" in engine.health_problem()
+        with pytest.raises(EngineUnavailable, match="not running"):
             run_async_raising(engine, PROMPTS[0], SamplingParams(max_tokens=2))
     finally:
         engine.shutdown()
     assert not engine._process.is_alive()
+
+
+def test_a_stopped_core_is_stalled_until_it_runs_again(tiny, embedded_tokenizer):
+    engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120, stall_timeout=0.5)
+    engine.start()
+    try:
+        async def main():
+            async def long():
+                async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=60, ignore_eos=True), "r"):
+                    pass
+            task = asyncio.create_task(long())
+            while engine.stats.num_running < 1:
+                await asyncio.sleep(0.01)
+            assert not engine.stalled
+            os.kill(engine.core_pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 30
+                while not engine.stalled:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                assert "no progress" in engine.health_problem()
+            finally:
+                os.kill(engine.core_pid, signal.SIGCONT)
+            await task  # it finishes: the core only paused
+            assert not engine.stalled and engine.health_problem() is None
+
+        asyncio.run(main())
+        assert not engine.stalled  # idle: nothing in flight, however long ago the last report
+    finally:
+        engine.shutdown()
 
 
 def test_the_core_exits_when_the_api_process_is_killed(tiny, tmp_path):

@@ -21,10 +21,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedserve import __version__, heap
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.async_llm import DEFAULT_MAX_RESTARTS, DEFAULT_STALL_TIMEOUT, AsyncLLM
 from pagedserve.engine.structured_output import load_xgrammar
 from pagedserve.entrypoints.openai import http_server
-from pagedserve.entrypoints.openai.limits import default_max_body_bytes, prompt_bound
+from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, default_max_body_bytes, prompt_bound
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
@@ -33,7 +33,9 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_engine import APIError, Drain, bad_request, server_error, shutting_down
+from pagedserve.entrypoints.openai.serving_engine import (
+    APIError, Drain, bad_request, engine_unavailable, server_error, shutting_down,
+)
 from pagedserve.entrypoints.openai.serving_responses import (
     DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses, ResponseStore,
 )
@@ -53,7 +55,8 @@ ERROR_STATUSES = {
     408: "The request body did not arrive in time",
     413: "The request body is over the server's limit",
     500: "The engine failed while serving the request",
-    503: "The server is shutting down (draining) or its engine is not running",
+    503: "The server is shutting down (draining), or its engine is not running: restarting after its core died, "
+         "or stalled",
 }
 
 
@@ -82,6 +85,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
               max_body_bytes: int | None = None, body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
               default_max_tokens: int | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, extra_collectors: tuple = (),
+              max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """An app serving a started engine. The caller owns the engine (start and shutdown).
 
@@ -90,9 +94,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     to arrive; default_max_tokens: max_tokens for a request that sets none (vLLM's max_new_tokens
     generation setting; default: up to the context limit for chat, 16 for completions);
     enable_auto_tool_choice and tool_call_parser: vLLM's tool-calling settings (serving_chat);
-    extra_collectors: more prometheus collectors for /metrics; max_stored_responses: how many
-    /v1/responses answers are kept for previous_response_id and GET (the least recently used is
-    dropped first). The app's drain (app.state.drain) is driven by http_server.GracefulServer."""
+    extra_collectors: more prometheus collectors for /metrics; max_request_tokens: the most tokens
+    and logprob entries one request may ask for (limits.RequestWork; more is a 400);
+    max_stored_responses: how many /v1/responses answers are kept for previous_response_id and GET
+    (the least recently used is dropped first). The app's drain (app.state.drain) is driven by
+    http_server.GracefulServer."""
     bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(bound and bound.max_chars)
@@ -108,7 +114,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app = _App(title="pagedserve", version=__version__, lifespan=lifespan)
     app.state.drain = drain
     metrics = ServerMetrics(engine, served_model_name, extra_collectors)
-    shared = dict(executor=executor, prompt_bound=bound, default_max_tokens=default_max_tokens, drain=drain)
+    shared = dict(executor=executor, prompt_bound=bound, default_max_tokens=default_max_tokens, drain=drain,
+                  max_request_tokens=max_request_tokens)
     completions = OpenAIServingCompletion(engine, served_model_name, **shared)
     chat = OpenAIServingChat(engine, served_model_name, **shared, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser)
@@ -167,8 +174,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def health() -> Response:
         if drain.draining:
             return shutting_down().response()
-        if not engine.is_running:
-            return APIError(503, "the engine is not running", type="server_error").response()
+        problem = engine.health_problem() if hasattr(engine, "health_problem") else (
+            None if engine.is_running else "the engine is not running")
+        if problem is not None:
+            return engine_unavailable(problem).response()
         return JSONResponse(HealthStatus().model_dump())
 
     @app.get("/metrics")
@@ -247,10 +256,13 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def make_async_engine(config: EngineConfig, engine_core: str = "process") -> AsyncLLMEngine | AsyncLLM:
-    """The server's engine, not yet started."""
+def make_async_engine(config: EngineConfig, engine_core: str = "process", *,
+                      max_restarts: int = DEFAULT_MAX_RESTARTS, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+                      ) -> AsyncLLMEngine | AsyncLLM:
+    """The server's engine, not yet started. max_restarts and stall_timeout: AsyncLLM's (the core
+    process's restarts after it dies, and how long it may make no progress before /health fails)."""
     if engine_core == "process":
-        return AsyncLLM(config)
+        return AsyncLLM(config, max_restarts=max_restarts, stall_timeout=stall_timeout)
     if engine_core == "thread":
         from pagedserve.engine.llm_engine import LLMEngine
 
@@ -268,22 +280,36 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                shutdown_timeout: float = http_server.DEFAULT_SHUTDOWN_TIMEOUT,
                max_body_bytes: int | None = None, default_max_tokens: int | None = None,
                engine_core: str = "process", enable_auto_tool_choice: bool = False,
-               tool_call_parser: str | None = None) -> None:
+               tool_call_parser: str | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+               engine_max_restarts: int = DEFAULT_MAX_RESTARTS,
+               engine_stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
     """Serve until SIGTERM or SIGINT, which drain the server (http_server.GracefulServer) before it
     exits; a second signal exits at once. engine_core: "process" runs the core in a process of its
-    own (`AsyncLLM`), "thread" in a thread of this one (`AsyncLLMEngine`)."""
-    engine = make_async_engine(config, engine_core)
+    own (`AsyncLLM`), "thread" in a thread of this one (`AsyncLLMEngine`). If the core process dies
+    and cannot be restarted, the server stops and this raises SystemExit with an error (exit code 1),
+    so that a supervisor restarts the service."""
+    engine = make_async_engine(config, engine_core, max_restarts=engine_max_restarts,
+                               stall_timeout=engine_stall_timeout)
     name = served_model_name or config.model or EMBEDDED_MODEL_NAME
     engine.start()
     try:
         app = build_app(engine, name, api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                         default_max_tokens=default_max_tokens, enable_auto_tool_choice=enable_auto_tool_choice,
-                        tool_call_parser=tool_call_parser)
+                        tool_call_parser=tool_call_parser, max_request_tokens=max_request_tokens)
         server = http_server.make_server(app, host=host, port=port, timeout_keep_alive=timeout_keep_alive,
                                          header_timeout=header_timeout, shutdown_timeout=shutdown_timeout)
+        dead: list[str] = []
+        if isinstance(engine, AsyncLLM):
+            def stop(reason: str) -> None:  # on the engine's thread: uvicorn's loop reads the flag
+                dead.append(reason)
+                server.should_exit = True
+
+            engine.add_dead_hook(stop)
         logging.getLogger("uvicorn.error").info("Froze %d startup objects out of the cycle collector",
                                                 heap.freeze_startup_objects())
         server.run()
+        if dead:
+            raise SystemExit(f"error: the engine core could not be restarted: {dead[0]}")
     finally:
         engine.shutdown()
         kv = engine.stats.kv

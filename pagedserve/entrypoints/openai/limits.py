@@ -1,5 +1,5 @@
-"""Size limits a request meets before any tokenization: a prompt's length in characters, and the
-request body's length in bytes.
+"""Size limits a request meets: before any tokenization, a prompt's length in characters and the
+request body's length in bytes; once the prompts are tokenized, the work the request asks for.
 
 Tokenizing a huge prompt only to refuse it for the context costs seconds; counting its characters
 costs nothing. The character bound comes from the tokenizer, once at startup: if no token stands
@@ -29,6 +29,12 @@ PROMPT_CHARS_MARGIN = 2
 MAX_JSON_BYTES_PER_CHAR = 12
 BODY_OVERHEAD_BYTES = 1 << 20  # every other field of the request
 DEFAULT_MAX_BODY_BYTES = 64 << 20  # when there is no character bound to derive the limit from
+# The most tokens (and logprob entries) one request may make the server produce and return
+# (`request_work`). A small body can ask for a huge answer: 8 prompts of 1,000 tokens with n 128,
+# echo and 20 logprobs is 22 million entries, a 567 MB response. 4 Mi entries admit n up to 256
+# with 16k tokens each, or a full 128k context with 31 logprobs; about 75 MB of JSON at most (some
+# 18 bytes an entry).
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 22
 
 # Steps that never make the text shorter, so each character still reaches the vocabulary.
 _SAFE_NORMALIZERS = {"Prepend", "NFD", "NFKD", "Lowercase"}
@@ -94,6 +100,46 @@ def prompt_bound(tokenizer: Any, max_model_len: int) -> PromptBound | None:
     if bound is None:
         return None
     return PromptBound(max_model_len * bound.max_chars * PROMPT_CHARS_MARGIN, bound.dropped)
+
+
+@dataclass(frozen=True)
+class RequestWork:
+    """What one request asks the server to produce and return: for each of its prompts, n choices,
+    each of max_tokens generated tokens (plus the prompt's own when it is echoed), each token with
+    1 + logprobs entries; plus, with prompt_logprobs, 1 + prompt_logprobs entries per prompt token
+    in each choice."""
+
+    prompt_lens: tuple[int, ...]
+    n: int
+    max_tokens: int
+    logprobs: int = 0
+    echo: bool = False
+    prompt_logprobs: int | None = None
+
+    @property
+    def entries(self) -> int:
+        per_choice = sum((self.max_tokens + (p if self.echo else 0)) * (1 + self.logprobs)
+                         + (p * (1 + self.prompt_logprobs) if self.prompt_logprobs is not None else 0)
+                         for p in self.prompt_lens)
+        return self.n * per_choice
+
+    def over(self, budget: int) -> tuple[str, str] | None:
+        """(The client's 400 message, the field to name) when the work is over `budget`, else None."""
+        entries = self.entries
+        if entries <= budget:
+            return None
+        prompts = f"{len(self.prompt_lens)} prompts x " if len(self.prompt_lens) > 1 else ""
+        tokens = f"max_tokens {self.max_tokens}" + (" + the echoed prompt" if self.echo else "")
+        parts = f"{prompts}n {self.n} x ({tokens}) x (1 + logprobs {self.logprobs})"
+        if self.prompt_logprobs is not None:
+            parts += f" + the prompt x (1 + prompt_logprobs {self.prompt_logprobs})"
+        # Name the factor that most inflates the work (one the client chose above its least).
+        factors = {"n": self.n, "logprobs": 1 + self.logprobs, "prompt": len(self.prompt_lens),
+                   "prompt_logprobs": 1 + (self.prompt_logprobs or 0), "max_tokens": 1}
+        param = max(factors, key=factors.get) if max(factors.values()) > 1 else "max_tokens"
+        return (f"This request asks for up to {entries} tokens and logprob entries ({parts}), over this server's "
+                f"limit of {budget} per request. Lower n, max_tokens or logprobs, drop echo, or split the "
+                "request.", param)
 
 
 def default_max_body_bytes(prompt_chars: int | None) -> int:

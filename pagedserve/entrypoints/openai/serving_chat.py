@@ -8,10 +8,11 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
 from pagedserve.engine.structured_output import check_grammar
+from pagedserve.entrypoints.openai.limits import RequestWork
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage, DeltaFunctionCall,
@@ -75,6 +76,7 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:
             max_tokens = self.max_tokens_left(num_prompt_tokens)  # the operator's default, or the context limit
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        self.check_work(RequestWork((num_prompt_tokens,), request.n or 1, max_tokens, num_logprobs or 0))
         params = self.sampling_params(request, max_tokens, num_logprobs)
         if strict_calls is not None:
             params = dataclasses.replace(params, structured_outputs=strict_calls)
@@ -102,7 +104,7 @@ class OpenAIServingChat(OpenAIServing):
                                                 logprobs=self._logprobs(request, o.token_ids, o.logprobs)))
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=_usage(output),
                                           system_fingerprint=self.system_fingerprint)
-        return JSONResponse(response.model_dump())
+        return await self.respond(response)
 
     def check_tools(self, request: ChatCompletionRequest) -> None:
         """A 400 naming the field for a tool_choice the tools or the server cannot serve."""

@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.entrypoints.openai.limits import RequestWork
 from pagedserve.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse, PromptLogprob, PromptTokensDetails,
     UsageInfo,
@@ -63,6 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
+        self.check_work(RequestWork(tuple(len(ids) for _, ids in prompts), request.n or 1, max_tokens,
+                                    request.logprobs or 0, bool(request.echo), request.prompt_logprobs))
         # The engine generates at least one token; a prompt-only answer leaves it out.
         params = self.sampling_params(request, max(max_tokens, 1), request.logprobs, prompt_logprobs)
         request_id = random_id("cmpl")
@@ -84,7 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
                    for choice in self._choices(request, i, final[i], echoes[i])]
         response = CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=_usage(final.values()), system_fingerprint=self.system_fingerprint)
-        return JSONResponse(response.model_dump())
+        return await self.respond(response)
 
     def _tokenize_all(self, prompts: list[str | list[int]]) -> list[Prompt]:
         """Runs on the executor."""

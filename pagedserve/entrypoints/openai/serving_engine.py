@@ -17,11 +17,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi.responses import JSONResponse
+from pydantic_core import PydanticSerializationError
+from starlette.responses import Response
 
 from pagedserve import __version__
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError
-from pagedserve.entrypoints.openai.limits import PromptBound
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError, EngineUnavailable
+from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, PromptBound, RequestWork
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ResponseModel, SamplingRequest
+from pagedserve.entrypoints.openai.tool_parsers import escape_lone_surrogates
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import ParameterError, SamplingParams
 
@@ -54,6 +57,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error")
+
+
+def engine_unavailable(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="engine_unavailable")
 
 
 def shutting_down(message: str = "the server is shutting down") -> APIError:
@@ -105,12 +112,45 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _json_text(data: ResponseModel) -> str:
+    try:
+        return data.model_dump_json()
+    except PydanticSerializationError:  # a lone surrogate: UTF-8 cannot hold it, its escape can
+        return escape_lone_surrogates(json.dumps(data.model_dump(), ensure_ascii=False, separators=(",", ":")))
+
+
 def sse(data: ResponseModel | str) -> str:
     """One server-sent event."""
-    return f"data: {data if isinstance(data, str) else data.model_dump_json()}\n\n"
+    return f"data: {data if isinstance(data, str) else _json_text(data)}\n\n"
 
 
 SSE_DONE = sse("[DONE]")
+
+
+def json_response(data: ResponseModel) -> Response:
+    """A whole response as JSON (what JSONResponse writes; lone surrogates escaped). Each choice is
+    serialized on its own: one serializer call holds the GIL throughout, so a response made in one
+    call would stall the event loop for all of it even from another thread; between choices the
+    loop gets its turns."""
+    choices = getattr(data, "choices", None)
+    if not choices or len(choices) < 2:
+        return Response(_json_bytes(data.model_dump()), media_type="application/json")
+    head = _json_bytes(data.model_copy(update={"choices": []}).model_dump())
+    # The key can only occur once, as the key: inside a JSON string every quote is escaped.
+    before, after = head.split(b'"choices":[]', 1)
+    parts = [before, b'"choices":[']
+    for i, choice in enumerate(choices):
+        parts += [b"," if i else b"", _json_bytes(choice.model_dump())]
+    parts += [b"]", after]
+    return Response(b"".join(parts), media_type="application/json")
+
+
+def _json_bytes(content) -> bytes:
+    try:
+        return JSONResponse(content).body
+    except UnicodeEncodeError:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return escape_lone_surrogates(text).encode()
 
 
 @dataclass
@@ -141,13 +181,14 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, *, executor: Executor | None = None,
                  prompt_bound: PromptBound | None = None, default_max_tokens: int | None = None,
-                 drain: Drain | None = None) -> None:
+                 drain: Drain | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
         self.engine = engine
         self.model_name = model_name
         self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedserve-tokenizer")
         self.prompt_bound = prompt_bound
         self.default_max_tokens = default_max_tokens  # the operator's, for a request that sets none
         self.drain = drain or Drain()
+        self.max_request_tokens = max_request_tokens  # the work one request may ask for (limits.RequestWork)
 
     @functools.cached_property
     def system_fingerprint(self) -> str:
@@ -156,6 +197,17 @@ class OpenAIServing:
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the executor: for tokenizer work, which must not block the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def respond(self, data: ResponseModel) -> Response:
+        """The JSON response, serialized on the executor: a large one (many choices, logprobs) would
+        hold the event loop, and so every other client and /health, for as long as it takes."""
+        return await self.run_blocking(json_response, data)
+
+    def check_work(self, work: RequestWork) -> None:
+        """A 400 naming the field for a request that asks for more than the server's budget."""
+        refusal = work.over(self.max_request_tokens)
+        if refusal is not None:
+            raise bad_request(*refusal)
 
     async def check_prompt_chars(self, texts: list[str], param: str) -> None:
         """Refuse, before tokenizing, a prompt (made of `texts`) whose characters cannot fit the
@@ -225,6 +277,8 @@ class OpenAIServing:
                     yield item
             except ValueError as e:  # the engine refused a prompt (or, named, a parameter)
                 raise bad_request(str(e), getattr(e, "param", param)) from e
+            except EngineUnavailable as e:  # the core died or is restarting: retry later
+                raise engine_unavailable(str(e)) from e
             except EngineError as e:
                 raise server_error(str(e)) from e
             except Interrupted:

@@ -21,6 +21,7 @@ format (`instructions`), for chat templates that know nothing of tools (entrypoi
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +72,16 @@ _decoder = json.JSONDecoder()
 
 
 def _dump(arguments: dict[str, Any]) -> str:
-    return json.dumps(arguments, ensure_ascii=False)
+    # A lone surrogate the model wrote as an escape ("\\ud800") stays one: UTF-8 cannot carry it.
+    return escape_lone_surrogates(json.dumps(arguments, ensure_ascii=False))
+
+
+def escape_lone_surrogates(json_text: str) -> str:
+    """JSON text whose strings may hold lone surrogates (a JSON escape such as "\\ud800" that the
+    model wrote and a parser decoded), which UTF-8 cannot encode: each written as its JSON escape,
+    so the text is valid JSON, UTF-8 encodable, and means what it meant. In a str, a surrogate is
+    always lone (json.loads joins the halves of a pair into one character)."""
+    return re.sub("[\ud800-\udfff]", lambda m: f"\\u{ord(m.group()):04x}", json_text)
 
 
 def _skip_space(text: str, i: int) -> int:
@@ -91,7 +101,9 @@ def _call_object(obj: Any, *argument_keys: str) -> ToolCall | None:
     arguments = obj[given[0]] if given else {}
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(obj["name"], _dump(arguments))
+    # A name is plain text, not JSON: a lone surrogate in it shows as its escape's characters.
+    name = obj["name"].encode("utf-8", "backslashreplace").decode()
+    return ToolCall(name, _dump(arguments))
 
 
 # ---- streams -----------------------------------------------------------------------------------

@@ -1,30 +1,38 @@
 """The server as `pagedserve serve` runs it by default: the engine core in its own process.
 
 Same answers as the offline API, over the real `openai` client; and when the core process dies,
-the server says so at once (/health 503, requests 500 with an OpenAI-style body) instead of
-hanging, and leaves no process behind."""
+the requests in flight end at once with a 503 (an error event and [DONE] in a started stream),
+/health answers 503 until a new core serves, and then everything works again; a core that cannot
+come back ends the server with exit code 1; a stopped core turns /health 503 until it runs."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
-from server_harness import MODEL, Server, serve
+from server_harness import MODEL, Server, assert_all_free, serve
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import build_app
 
 
+STALL_TIMEOUT = 3.0  # short, for the stopped-core test; a step of these tests takes well under it
+
+
 @pytest.fixture(scope="module")
 def process_server(embedded_tokenizer):
     # The front shares the session's tokenizer; the core process loads the model itself.
-    engine = AsyncLLM(EngineConfig(num_kv_blocks=512, max_model_len=2048), tokenizer=embedded_tokenizer)
+    engine = AsyncLLM(EngineConfig(num_kv_blocks=512, max_model_len=2048), tokenizer=embedded_tokenizer,
+                      stall_timeout=STALL_TIMEOUT)
     engine.start()
     try:
         with serve(build_app(engine, MODEL)) as url:
@@ -89,29 +97,131 @@ def test_prompt_logprobs_cross_the_process_boundary(process_server, offline):
         pytest.approx(want[p][ids[p]].logprob, abs=1e-5) for p in range(1, len(ids))]
 
 
-def test_the_core_dies_health_fails_and_requests_get_500_quickly(process_server):
+def test_the_core_dies_under_load_requests_end_with_503_and_a_new_core_serves(process_server):
     url, engine = process_server.url, process_server.async_engine
     assert httpx.get(f"{url}/health").status_code == 200
-    in_flight = {}
+    before = process_server.metrics()
+    results = {}
 
-    def long_request():
-        in_flight["response"] = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "Count:", "max_tokens": 2000, "ignore_eos": True})
+    def call(name, stream):
+        body = {"model": MODEL, "prompt": "Count:", "max_tokens": 2000, "ignore_eos": True, "stream": stream}
+        if stream:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                results[name] = (r.status_code, [line for line in r.iter_lines() if line])
+        else:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            results[name] = (r.status_code, r.json())
 
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while engine.stats.num_running == 0:
+    threads = [threading.Thread(target=call, args=(f"{kind}{i}", kind == "stream"))
+               for kind in ("plain", "stream") for i in range(2)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while engine.stats.num_running < 4:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    os.kill(engine.core_pid, signal.SIGKILL)
+    old_pid = engine.core_pid
+    os.kill(old_pid, signal.SIGKILL)
     start = time.monotonic()
-    thread.join(timeout=10)
-    assert not thread.is_alive() and time.monotonic() - start < 3
-    r = in_flight["response"]
-    assert r.status_code == 500 and "died" in r.json()["error"]["message"]
-    health = httpx.get(f"{url}/health")
-    assert health.status_code == 503 and health.json()["error"]["type"] == "server_error"
-    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not any(thread.is_alive() for thread in threads) and time.monotonic() - start < 5
+    for name in ("plain0", "plain1"):  # not started yet: an OpenAI-style 503
+        status, body = results[name]
+        assert status == 503 and body["error"]["code"] == "engine_unavailable", body
+        assert "killed by signal SIGKILL" in body["error"]["message"]
+    for name in ("stream0", "stream1"):  # started: an error event, then [DONE]
+        status, lines = results[name]
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "engine_unavailable" and "SIGKILL" in error["message"]
 
+    health = httpx.get(f"{url}/health")  # the new core waits out the backoff (1 s) before it starts
+    assert health.status_code == 503 and "restarting" in health.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the core did not come back"
+        time.sleep(0.1)
+    assert engine.core_pid != old_pid
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        assert str(old_pid) not in f.read().split()  # reaped: no zombie left
+
+    got = process_server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 4
+    after = process_server.wait_idle()
+    # /metrics moves again; its counters go on from before the restart, the 4 failures counted as errors.
+    assert after["vllm:request_success_total:error"] == before["vllm:request_success_total:error"] + 4
+    assert after["vllm:request_success_total:length"] == before["vllm:request_success_total:length"] + 1
+    assert after["vllm:generation_tokens_total"] >= before["vllm:generation_tokens_total"] + 4 * 1 + 4
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    assert_all_free(after)
+
+
+def test_a_stopped_core_turns_health_503_until_it_runs_again(process_server):
+    url, engine = process_server.url, process_server.async_engine
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(r=httpx.post(f"{url}/v1/completions", timeout=180, json={
+        "model": MODEL, "prompt": "Count:", "max_tokens": 40, "ignore_eos": True})))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while engine.stats.num_running < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(engine.core_pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + STALL_TIMEOUT + 30
+        while (health := httpx.get(f"{url}/health")).status_code == 200:
+            assert time.monotonic() < deadline, "a stopped core left /health at 200"
+            time.sleep(0.1)
+        assert health.status_code == 503 and "no progress" in health.json()["error"]["message"]
+    finally:
+        os.kill(engine.core_pid, signal.SIGCONT)
+    thread.join(timeout=180)
+    assert done["r"].status_code == 200  # the core only paused: the request finishes
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_core_that_cannot_restart_makes_the_server_exit_non_zero(tmp_path):
+    """`pagedserve serve` as a supervisor runs it: with no restarts left, the core's death ends the
+    server with exit code 1 (and says why), rather than leaving it up and refusing everyone."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--num-kv-blocks", "64",
+         "--max-model-len", "256", "--engine-max-restarts", "0"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "w"))
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        with open(f"/proc/{server.pid}/task/{server.pid}/children") as f:
+            children = [int(pid) for pid in f.read().split()]
+        core = [pid for pid in children if "pagedserve-core" in _name(pid) or _is_spawned_core(pid)]
+        assert len(core) == 1, children
+        os.kill(core[0], signal.SIGKILL)
+        assert server.wait(timeout=60) == 1
+        assert "could not be restarted" in (tmp_path / "log").read_text()
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _name(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read()
+
+
+def _is_spawned_core(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline") as f:
+        cmdline = f.read()
+    return "multiprocessing.spawn" in cmdline and "resource_tracker" not in cmdline

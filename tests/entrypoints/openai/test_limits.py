@@ -1,5 +1,6 @@
 """The character bound on prompts: derived from the tokenizer, sound (no text has more counted
-characters than its tokens can stand for), and off for tokenizer shapes that can drop or merge text."""
+characters than its tokens can stand for), and off for tokenizer shapes that can drop or merge text.
+And the work budget: what a request may ask the server to produce and return, over HTTP too."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from pagedserve.entrypoints.openai.limits import (
-    BODY_OVERHEAD_BYTES, MAX_JSON_BYTES_PER_CHAR, PROMPT_CHARS_MARGIN, PromptBound, TokenBound, byte_level_symbols,
-    default_max_body_bytes, prompt_bound, token_bound,
+    BODY_OVERHEAD_BYTES, DEFAULT_MAX_REQUEST_TOKENS, MAX_JSON_BYTES_PER_CHAR, PROMPT_CHARS_MARGIN, PromptBound,
+    RequestWork, TokenBound, byte_level_symbols, default_max_body_bytes, prompt_bound, token_bound,
 )
 
 SMOLLM2_DROPS = "\x04\x06\x13\x14\x16\x1d"  # bytes missing from its vocabulary: they make no token
@@ -149,3 +150,77 @@ def test_bytes_missing_from_a_byte_level_vocabulary_are_not_counted():
     t = byte_level_without([0x1D, 0x04, 0xF5])  # 0xF5 never occurs in UTF-8
     assert t.encode("\x1d\x04").ids == []
     assert token_bound(Fast(t)) == TokenBound(1, "\x04\x1d")
+
+
+# ---- the request work budget --------------------------------------------------------------------
+
+
+def test_the_work_a_request_asks_for():
+    assert RequestWork((5,), n=2, max_tokens=4).entries == 8
+    assert RequestWork((5, 7), n=2, max_tokens=4, logprobs=2, echo=True).entries == 2 * ((4 + 5) * 3 + (4 + 7) * 3)
+    assert RequestWork((5,), n=1, max_tokens=4, prompt_logprobs=1).entries == 4 + 5 * 2
+
+
+def test_the_default_budget_refuses_the_amplified_request_and_admits_ordinary_ones():
+    # 8 prompts of 1,000 tokens, n 128, echo, logprobs 20: a 53 KB body asking for a 567 MB answer.
+    amplified = RequestWork((1000,) * 8, n=128, max_tokens=16, logprobs=20, echo=True)
+    message, param = amplified.over(DEFAULT_MAX_REQUEST_TOKENS)
+    assert param == "n" and str(amplified.entries) in message and str(DEFAULT_MAX_REQUEST_TOKENS) in message
+    ordinary = [RequestWork((2000,), n=128, max_tokens=16384),  # the most choices, long answers
+                RequestWork((100,), n=1, max_tokens=131072, logprobs=20),  # a whole long context, scored
+                RequestWork((2048,) * 16, n=1, max_tokens=0, logprobs=5, echo=True),  # a loglikelihood batch
+                RequestWork((8000,), n=1, max_tokens=1, prompt_logprobs=20)]
+    assert all(work.over(DEFAULT_MAX_REQUEST_TOKENS) is None for work in ordinary)
+
+
+def test_the_budget_over_http(server):
+    """The amplified request is a 400 naming n, before any work; a request just under a budget passes
+    and one token of work more is refused."""
+    import httpx
+    from server_harness import MODEL, serve
+
+    from pagedserve.entrypoints.openai.api_server import build_app
+
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": [[100] * 1000] * 8, "n": 128, "max_tokens": 16, "echo": True, "logprobs": 20})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert "limit of 4194304" in r.json()["error"]["message"]
+
+    completion = {"model": MODEL, "prompt": [100, 101, 102, 103, 104], "n": 2, "max_tokens": 4, "echo": True,
+                  "logprobs": 2}  # 2 x (4 + 5) x (1 + 2) = 54
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 3, "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 1}  # 3 x 3 x (1 + 1) = 18
+    for budget, allowed in ((54, {"completions"}), (53, set()), (18, set()), (17, set())):
+        with serve(build_app(server.async_engine, MODEL, max_request_tokens=budget)) as url:
+            r = httpx.post(f"{url}/v1/completions", json=completion, timeout=60)
+            assert r.status_code == (200 if "completions" in allowed else 400), r.text
+            if r.status_code == 200:
+                assert len(r.json()["choices"]) == 2
+            else:  # the factor that inflates it most: 1 + logprobs 2 over n 2
+                assert r.json()["error"]["param"] == "logprobs"
+            r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+            assert r.status_code == (200 if budget >= 18 else 400), r.text
+            if r.status_code == 400:
+                assert r.json()["error"]["param"] == "n"
+
+
+def test_a_json_response_is_serialized_off_the_event_loop(server, monkeypatch):
+    """A large answer takes long to serialize: on the executor, /health and every stream go on meanwhile."""
+    import threading
+
+    import httpx
+    from server_harness import MODEL
+
+    from pagedserve.entrypoints.openai import serving_engine
+
+    threads = []
+    real = serving_engine.json_response
+
+    def recorded(data):
+        threads.append(threading.current_thread())
+        return real(data)
+
+    monkeypatch.setattr(serving_engine, "json_response", recorded)
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and len(threads) == 1
+    assert threads[0].name.startswith("pagedserve-tokenizer")  # the server's executor, not the loop's thread

@@ -193,6 +193,27 @@ def test_auto_reads_the_models_calls_with_the_servers_parser(tool_server):
     assert [c.function.name for c in one.message.tool_calls] == ["get_weather"]
 
 
+def test_a_lone_surrogate_in_a_calls_arguments_is_escaped_answered_and_streamed(tool_server):
+    """The model writes a JSON escape of a lone surrogate in a call's arguments (a guided regex makes
+    it): the parsed value cannot be UTF-8 encoded, yet the answer is a 200 and the stream ends with
+    [DONE], the arguments valid JSON that mean what the model wrote."""
+    output = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\ud800is", "unit": "celsius"}}'
+              '\n</tool_call>')
+    request = dict(messages=ASK, tools=TOOLS, tool_choice="auto", model=MODEL, max_tokens=100,
+                   extra_body={"structured_outputs": {"regex": re.escape(output)}})
+    client = tool_server.client()
+    answer = client.chat.completions.create(**request).choices[0]
+    [call] = answer.message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Par\ud800is", "unit": "celsius"}
+    chunks, final = streamed(client, **request)  # the client parses every event: none is cut short
+    assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    with httpx.stream("POST", f"{tool_server.url}/v1/chat/completions", timeout=120,
+                      json={**{k: v for k, v in request.items() if k != "extra_body"}, **request["extra_body"],
+                            "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+
+
 def test_auto_output_that_is_not_a_call_is_content(tool_server):
     """A malformed block (guided again, to be sure of the output) comes back as text, no calls."""
     text = '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>'

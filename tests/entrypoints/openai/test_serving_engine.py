@@ -80,3 +80,34 @@ def test_stream_state_sends_each_piece_once():
     assert state.advance(out("Hello", [5, 6, 7], "stop")) is None  # finished: nothing more
     finished_empty = StreamState()
     assert finished_empty.advance(out("", [2], "stop")) == ("", slice(0, 1))  # the finish reason still goes out
+
+
+def test_a_lone_surrogate_anywhere_in_a_response_is_sent_as_its_json_escape():
+    """The last line of defence behind the tool parsers: a whole response and a stream's event
+    with a lone surrogate in a string are valid UTF-8 JSON that decodes back to the same text."""
+    import json
+
+    from pagedserve.entrypoints.openai.protocol import ChatResponseMessage
+    from pagedserve.entrypoints.openai.serving_engine import json_response, sse
+
+    message = ChatResponseMessage(content="a\ud800b \U0001F600")
+    body = json_response(message).body
+    assert json.loads(body.decode("utf-8"))["content"] == "a\ud800b \U0001F600"
+    event = sse(message)
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    event.encode("utf-8")
+    assert json.loads(event.removeprefix("data: "))["content"] == "a\ud800b \U0001F600"
+
+
+def test_a_response_serialized_choice_by_choice_is_what_json_response_writes():
+    from fastapi.responses import JSONResponse
+
+    from pagedserve.entrypoints.openai.protocol import CompletionChoice, CompletionResponse, UsageInfo
+    from pagedserve.entrypoints.openai.serving_engine import json_response
+
+    tricky = 'a "choices":[] \\"choices\\":[] ü'  # the splice's key inside strings
+    response = CompletionResponse(id="cmpl-1", model=tricky, usage=UsageInfo(prompt_tokens=1, completion_tokens=2,
+                                                                              total_tokens=3),
+                                  choices=[CompletionChoice(index=i, text=tricky * i, finish_reason="length")
+                                           for i in range(3)])
+    assert json_response(response).body == JSONResponse(response.model_dump()).body

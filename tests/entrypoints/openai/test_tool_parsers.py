@@ -218,3 +218,23 @@ def test_parser_for_template_without_a_known_syntax_is_an_error(embedded_tokeniz
         parser_for_template(embedded_tokenizer.chat_template)
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         parser_for_template(None)
+# A call whose name and arguments hold JSON escapes of lone surrogates, as a model may write them:
+# json.loads makes each a str character that UTF-8 cannot encode.
+SURROGATE_ARGS = '{"city": "Par\\ud800is", "note": "\\udfff", "ok": "\\ud83d\\ude00"}'
+
+
+@pytest.mark.parametrize("stream, text", [
+    (HermesToolParser().stream, f'<tool_call>\n{{"name": "get\\ud800", "arguments": {SURROGATE_ARGS}}}\n</tool_call>'),
+    (Llama3JsonToolParser().stream, f'{{"name": "get\\ud800", "parameters": {SURROGATE_ARGS}}}'),
+    (RequiredCallsStream, f'[{{"name": "get\\ud800", "parameters": {SURROGATE_ARGS}}}]'),
+])
+def test_lone_surrogates_in_a_call_stay_valid_json_that_utf8_can_carry(stream, text):
+    for step in (1, len(text)):
+        _, (content, calls) = fed_in_pieces(stream(), text, step)
+        assert content is None and len(calls) == 1
+        call = calls[0]
+        call.name.encode()  # would raise UnicodeEncodeError for a lone surrogate
+        call.arguments.encode()
+        assert call.name == "get\\ud800"  # a name is plain text: the escape's characters
+        # The arguments mean what the model wrote (a valid pair is one character).
+        assert json.loads(call.arguments) == {"city": "Par\ud800is", "note": "\udfff", "ok": "\U0001F600"}
