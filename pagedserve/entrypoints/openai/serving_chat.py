@@ -10,7 +10,6 @@ from contextlib import aclosing
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from pagedserve.engine.structured_output import check_grammar
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage, DeltaFunctionCall,
@@ -26,7 +25,7 @@ from pagedserve.entrypoints.openai.tool_parsers import (
 )
 from pagedserve.entrypoints.openai.tool_prompt import chat_turns, template_renders_tools
 from pagedserve.outputs import Logprob, RequestOutput, SampleLogprobs
-from pagedserve.sampling_params import ParameterError, StructuredOutputsParams
+from pagedserve.sampling_params import ParameterError
 
 AUTO_TOOL_CHOICE_OFF = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
                         '(start the server with them, or set tool_choice to "required", "none" or a named function)')
@@ -67,9 +66,9 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:
             max_tokens = self.max_tokens_left(num_prompt_tokens)  # the operator's default, or the context limit
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, num_logprobs)
+        params = await self.sampling_params(request, max_tokens, num_logprobs)
         request_id = random_id("chatcmpl")
-        outputs = self.generate([prompt], params, request_id, "messages")
+        outputs = self.generate([prompt], params, request_id, "messages", request.constraint_field())
         # Wait for the first output before answering, so a refused prompt is still an HTTP error.
         _, output = await anext(outputs)
         if request.stream:
@@ -95,13 +94,9 @@ class OpenAIServingChat(OpenAIServing):
     def check_tools(self, request: ChatCompletionRequest) -> None:
         """A 400 naming the field for a tool_choice the tools or the server cannot serve."""
         try:
-            request.check_tool_choice()
-            schema = request.tool_schema()
-            if schema is not None:  # a schema xgrammar cannot compile is the tools' fault
-                check_grammar(StructuredOutputsParams(json=schema))
+            request.check_tool_choice()  # the tools' schema is checked with the other parameters, off the loop
         except ParameterError as e:
-            param = e.param if e.param != "structured_outputs" else "tools"
-            raise bad_request(str(e).replace("structured_outputs", "tools", 1), param) from e
+            raise bad_request(str(e), e.param) from e
         if request.resolved_tool_choice() == "auto" and request.tools and not self.enable_auto_tool_choice:
             raise bad_request(AUTO_TOOL_CHOICE_OFF, "tool_choice")
 

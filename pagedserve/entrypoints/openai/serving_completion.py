@@ -64,9 +64,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
         # The engine generates at least one token; a prompt-only answer leaves it out.
-        params = self.sampling_params(request, max(max_tokens, 1), request.logprobs, prompt_logprobs)
+        params = await self.sampling_params(request, max(max_tokens, 1), request.logprobs, prompt_logprobs)
         request_id = random_id("cmpl")
-        outputs = self.generate(prompts, params, request_id, "prompt")
+        outputs = self.generate(prompts, params, request_id, "prompt", request.constraint_field())
         if prompt_only:
             outputs = _without_generation(outputs)
         # Wait for the first output before answering, so a refused prompt is still an HTTP error.
