@@ -128,7 +128,8 @@ def check_ebnf(grammar: str) -> None:
 def parse_schema(schema: str | dict[str, Any]) -> dict[str, Any]:
     """The schema as a dict, once its size and depth are within the limits and it uses nothing
     xgrammar would leave unenforced. Its text is parsed here only when it comes as text."""
-    if isinstance(schema, str):
+    given_as_text = isinstance(schema, str)
+    if given_as_text:
         check_size(schema, "JSON schema")
         try:
             schema = json.loads(schema)
@@ -142,9 +143,10 @@ def parse_schema(schema: str | dict[str, Any]) -> dict[str, Any]:
         return {}
     if not isinstance(schema, dict):
         _fail("the JSON schema must be an object")
-    depth = json_depth(schema)
-    if depth > MAX_JSON_DEPTH:
+    if json_depth(schema) > MAX_JSON_DEPTH:
         _fail(f"the JSON schema nests deeper than {MAX_JSON_DEPTH} levels")
+    if not given_as_text:
+        check_size(json.dumps(schema), "JSON schema")
     for_each_schema(schema, _check_keywords)
     return schema
 
