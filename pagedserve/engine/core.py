@@ -32,10 +32,10 @@ from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts, gather_logprobs
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.structured_output import GrammarJob, StructuredOutputManager
-from pagedserve.sampling_params import ParameterError
 from pagedserve.kv import KVCacheManager, KVCacheStats
 from pagedserve.models.loader import load_tokenizer
 from pagedserve.models.sharding import kv_heads_per_rank
+from pagedserve.sampling_params import ParameterError
 
 logger = logging.getLogger(__name__)
 

@@ -265,7 +265,7 @@ def run_until_finished(engine: LLMEngine, request_ids: set[str], limit: float = 
     import time
 
     finished, start = {}, time.monotonic()
-    while set(finished) != request_ids:
+    while not request_ids <= set(finished):
         assert time.monotonic() - start < limit, "requests did not finish"
         for output in engine.step():
             if output.finished:
@@ -288,6 +288,7 @@ def gated_build(llm, monkeypatch):
         return build(spec)
 
     monkeypatch.setattr(manager, "build", slow_build)
+    monkeypatch.setattr(manager, "compile_timeout", 300.0)  # the gate decides, not the clock of a busy machine
     yield manager, gate, started
     gate.set()
 

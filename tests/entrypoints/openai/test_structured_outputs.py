@@ -148,8 +148,8 @@ def post_chat(server, body: dict) -> httpx.Response:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP_PATTERN}}},
      "response_format", "nests groups"),
     ({"guided_json": DEEP_PATTERN}, "guided_json", "nests groups"),
-    ({"tools": [tool("f", {"type": "object", "properties": {"a": DEEP_PATTERN}})], "tool_choice": "required"},
-     "tools", "nests groups"),
+    ({"tools": [tool("f", {"type": "object", "properties": {"a": {"type": "string", "pattern": "(" * 200 + ")" * 200}}})],
+      "tool_choice": "required"}, "tools", "nests groups"),  # small: the tools are in the prompt too
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
      "response_format", '"not"'),
     ({"guided_json": {"$ref": "https://example.com/s.json"}}, "guided_json", '"$ref"'),
@@ -190,29 +190,45 @@ def test_tool_choice_required_takes_pydantic_schemas_with_refs(server):
 
     parameters = Person.model_json_schema()
     assert "$defs" in parameters
-    # "#" is the tool's own parameters, not the server's wrapper around the calls.
-    recursive = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 8},
-                                                  "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
-                 "required": ["label", "next"]}
     client = server.client()
-    for params in (parameters, recursive):
-        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
-            response = client.chat.completions.create(model=MODEL, messages=ASK, tools=[tool("f", params)],
-                                                      tool_choice=choice, max_tokens=96, temperature=0)
-            calls = response.choices[0].message.tool_calls
-            assert calls and calls[0].function.name == "f", response
-            jsonschema.validate(json.loads(calls[0].function.arguments), params)
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        response = client.chat.completions.create(model=MODEL, messages=ASK, tools=[tool("f", parameters)],
+                                                  tool_choice=choice, max_tokens=200, temperature=0)
+        calls = response.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "f", response
+        Person.model_validate_json(calls[0].function.arguments)
+
+
+def test_a_tools_own_refs_mean_its_parameters_inside_the_calls_schema():
+    """"#" in a tool's parameters is those parameters, not the server's array of calls around them."""
+    from pagedserve.engine.structured_output import check_grammar
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+
+    linked = {"type": "object", "properties": {"label": {"type": "string"},
+                                               "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+                                               "kind": {"$ref": "#/$defs/Kind"}},
+              "required": ["label", "next"], "$defs": {"Kind": {"enum": ["a", "b"]}}}
+    request = ChatCompletionRequest(model=MODEL, messages=ASK, tools=[tool("g", {"type": "object"}), tool("f", linked)],
+                                    tool_choice="required")
+    schema = request.tool_schema()
+    check_grammar(StructuredOutputsParams(json=schema))
+    call = {"name": "f", "parameters": {"label": "x", "next": {"label": "y", "next": None, "kind": "b"}}}
+    jsonschema.validate([call], schema)
+    for bad in ({"label": "x", "next": {"next": None}}, {"label": "x", "next": None, "kind": "c"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "f", "parameters": bad}], schema)
 
 
 def test_a_big_schema_does_not_stall_a_streaming_neighbour(server):
-    """1,000 optional properties take seconds to compile (2.9 s here): the neighbour's tokens keep
-    coming meanwhile, as the compile runs off the step loop."""
+    """Hundreds of optional properties take a while to compile (400: 0.6 s on an idle machine,
+    several on a busy one): the neighbour's tokens keep coming meanwhile, as the compile runs off
+    the step loop. On the loop, its longest gap would be the whole compile."""
     import threading
     import time
     import uuid
 
     prefix = uuid.uuid4().hex[:6]  # a schema the compiler's cache has not seen
-    big = {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(1000)}}
+    big = {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(400)}}
     client = server.client()
     stream = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1000, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True, "min_tokens": 1000})
@@ -236,5 +252,5 @@ def test_a_big_schema_does_not_stall_a_streaming_neighbour(server):
             break
     stream.close()
     sender.join()
-    assert result["status"] == 200 and result["seconds"] > 0.5, result
-    assert max(gaps) < 1.0, (max(gaps), result)
+    assert result["status"] == 200, result
+    assert max(gaps) < max(0.5 * result["seconds"], 0.25), (max(gaps), result)
