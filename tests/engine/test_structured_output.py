@@ -2,7 +2,9 @@
 schema, even sampled from the 135M model; greedy constrained decoding equals transformers' with
 xgrammar's own logits processor; free rows in a mixed batch are untouched; the grammar state
 survives preemption and is per sample for n > 1; a spec that cannot compile is a ValueError
-naming structured_outputs; nothing leaks."""
+naming structured_outputs; specs beyond grammar_check's limits and keywords xgrammar would not
+enforce are refused before xgrammar sees them; grammars compile off the step loop (others keep
+stepping, a late one fails its request, an abort drops the wait); nothing leaks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Structured output over HTTP, as clients send it: the openai client's response_format (json_schema
 from a pydantic model, json_object), vLLM's guided_* and structured_outputs through extra_body,
-streaming, LangChain's with_structured_output; bad specs are 400s naming their field. Real server
-on loopback (the module's `server`: an in-thread engine on the embedded model)."""
+streaming, LangChain's with_structured_output; bad specs are 400s naming their field, including
+those that crashed or froze xgrammar, those it would not enforce and those the core finds (no
+output allowed, compiled too late); a big schema compiling stalls no streaming neighbour. Real
+server on loopback (the module's `server`: an in-thread engine on the embedded model)."""
 
 from __future__ import annotations
 
