@@ -58,6 +58,8 @@ class EngineConfig:
         EXECUTOR_BACKENDS)
     distributed_timeout: float = _setting(
         300.0, "tensor parallelism: seconds a collective may wait for the other ranks before the engine fails")
+    grammar_compile_timeout: float = _setting(
+        10.0, "structured output: seconds a request may wait for its grammar to compile before it fails with a 400")
 
     def __post_init__(self) -> None:
         import torch
@@ -74,6 +76,8 @@ class EngineConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype = resolve_dtype(self.dtype, self.device)
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.attention_backend = resolve_attention_backend(self.attention_backend, torch.device(self.device))

@@ -43,6 +43,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)  # arrival / first token / finish times
     error: str | None = None  # set when the engine failed on this request (finish_reason "error")
+    error_param: str | None = None  # with an error the request's own field caused: that field
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked for them
 
 

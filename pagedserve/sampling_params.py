@@ -45,8 +45,9 @@ class StructuredOutputsParams:
     `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}` is taken too).
     `disable_any_whitespace`: JSON without optional whitespace between tokens.
 
-    Compiled with xgrammar by the engine core (`engine/structured_output.py`); a spec it cannot
-    compile is a ParameterError at `verify_for_engine`."""
+    Compiled with xgrammar by the engine core (`engine/structured_output.py`); a spec beyond the
+    limits of `engine/grammar_check.py`, or one xgrammar cannot parse, is a ParameterError at
+    `verify_for_engine`. JSON text is parsed once, here: `json` holds the schema as a dict after."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -70,12 +71,15 @@ class StructuredOutputsParams:
             fail("json must be a JSON schema, as an object or its JSON text")
         if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
             fail("structural_tag must be a structural tag, as an object or its JSON text")
-        for name in ("json", "structural_tag"):
-            if isinstance(getattr(self, name), str):
-                try:
-                    jsonlib.loads(getattr(self, name))
-                except ValueError as e:
-                    fail(f"{name} is not valid JSON text: {e}")
+        if isinstance(self.structural_tag, str):
+            try:
+                jsonlib.loads(self.structural_tag)
+            except ValueError as e:
+                fail(f"structural_tag is not valid JSON text: {e}")
+        if isinstance(self.json, str):
+            from pagedserve.engine.grammar_check import parse_schema  # bounds the text before parsing it
+
+            self.json = parse_schema(self.json)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
@@ -94,8 +98,7 @@ class StructuredOutputsParams:
         """What the compiled grammar depends on: (kind, spec text, whitespace flag). Requests with
         equal keys share one compiled grammar."""
         if self.json is not None:
-            spec = self.json if isinstance(self.json, str) else jsonlib.dumps(self.json)  # key order is property order
-            return "json", spec, self.disable_any_whitespace
+            return "json", jsonlib.dumps(self.json), self.disable_any_whitespace  # key order is property order
         if self.json_object:
             return "json_object", "", self.disable_any_whitespace
         if self.choice is not None:
@@ -203,9 +206,10 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", "a StructuredOutputsParams or None")
 
-    def verify_for_engine(self, vocab_size: int, max_num_seqs: int) -> None:
+    def verify_for_engine(self, vocab_size: int, max_num_seqs: int, *, grammar: bool = True) -> None:
         """The checks that need the engine: token ids and counts within the vocabulary, and no
-        more samples than can run at once (a request's samples run together)."""
+        more samples than can run at once (a request's samples run together); with `grammar`,
+        the structured-output spec's too (the core checks it off its step loop instead)."""
         def fail(name: str, rule: str) -> None:
             raise ParameterError(name, f"{name} must be {rule}, got {getattr(self, name)!r}")
 
@@ -224,7 +228,7 @@ class SamplingParams:
             raise ParameterError("logit_bias", f"logit_bias: token id {bad} is out of range for a vocabulary of {vocab_size}")
         if self.n > max_num_seqs:
             fail("n", f"<= max_num_seqs ({max_num_seqs})")
-        if self.structured_outputs is not None:
+        if grammar and self.structured_outputs is not None:
             from pagedserve.engine.structured_output import check_grammar  # xgrammar only when asked for
 
             check_grammar(self.structured_outputs)

@@ -26,7 +26,7 @@ from pagedserve.engine.executor import HEALTH_CHECK_INTERVAL, ExecutorFailed
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.kv import KVCacheStats
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import ParameterError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,9 @@ class RequestTracker:
             if output.error is not None:  # the engine failed on this request alone
                 del self.entries[output.request_id]
                 self.finished["error"] += entry.num_seqs
-                deliveries.append((entry.stream, EngineError(output.error)))
+                error = EngineError(output.error) if output.error_param is None \
+                    else ParameterError(output.error_param, output.error)  # the client's fault: a 400
+                deliveries.append((entry.stream, error))
                 continue
             if output.finished:
                 del self.entries[output.request_id]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 
 import torch
@@ -29,12 +31,16 @@ from pagedserve.engine.executor import Executor, ExecutorFailed, make_executor
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts, gather_logprobs
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
-from pagedserve.engine.structured_output import StructuredOutputManager
+from pagedserve.engine.structured_output import GrammarJob, StructuredOutputManager
 from pagedserve.kv import KVCacheManager, KVCacheStats
 from pagedserve.models.loader import load_tokenizer
 from pagedserve.models.sharding import kv_heads_per_rank
+from pagedserve.sampling_params import ParameterError
 
 logger = logging.getLogger(__name__)
+
+# How long an idle step waits for a grammar to compile before it returns (to read commands).
+GRAMMAR_POLL_SECONDS = 0.02
 
 
 @dataclass
@@ -119,7 +125,9 @@ class EngineCore:
         self.eos_token_ids = set(model_config.eos_token_ids) | set(eos_token_ids)
         self.structured_output = StructuredOutputManager(
             model_config.vocab_size, self.eos_token_ids,
-            (lambda: tokenizer) if tokenizer is not None else (lambda: load_tokenizer(config.model)))
+            (lambda: tokenizer) if tokenizer is not None else (lambda: load_tokenizer(config.model)),
+            config.grammar_compile_timeout)
+        self._grammar_jobs: dict[str, GrammarJob] = {}  # user request id -> its grammar, compiling
         self.stats = EngineStats()
         self._groups: dict[str, list[Request]] = {}  # user request id -> its samples
         self._pending_forks: dict[Hashable, list[Request]] = {}  # first sample -> samples to fork
@@ -152,11 +160,8 @@ class EngineCore:
         request_id, token_ids, params = request.request_id, request.prompt_token_ids, request.params
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params.verify_for_engine(self.vocab_size, self.scheduler.max_num_seqs)
+        params.verify_for_engine(self.vocab_size, self.scheduler.max_num_seqs, grammar=False)
         self.validate_prompt(token_ids)
-        grammars = [None] * params.n
-        if params.structured_outputs is not None:
-            grammars = self.structured_output.matchers(params.structured_outputs, params.n)
         samples = []
         for i in range(params.n):
             generator = None
@@ -165,11 +170,16 @@ class EngineCore:
                 generator = torch.Generator(self.config.device).manual_seed((params.seed + i * 0x9E3779B1) % 2**63)
             samples.append(Request((request_id, i), token_ids, params, group_id=request_id, sample_index=i,
                                    generator=generator))
-            samples[-1].grammar = grammars[i]
         self._groups[request_id] = samples
         if len(samples) > 1:
             self._pending_forks[samples[0].request_id] = samples[1:]
-        self.scheduler.add(samples[0])
+        if params.structured_outputs is None:
+            self.scheduler.add(samples[0])
+            return
+        # Checked and compiled off the step loop: the request joins the scheduler once it has its grammar.
+        self._grammar_jobs[request_id] = self.structured_output.submit(params.structured_outputs)
+        for sample in samples:
+            sample.status = RequestStatus.WAITING_FOR_GRAMMAR
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         validate_prompt(token_ids, self.max_model_len, self.vocab_size)
@@ -202,9 +212,13 @@ class EngineCore:
         A step that raises is contained: see `_contain_fault`. One that is interrupted (Ctrl-C)
         before it commits is undone, then the interrupt goes on."""
         start = time.perf_counter()
+        resolved = self._resolve_grammars() if self._grammar_jobs else []
         plan = self.scheduler.schedule()
         if not plan.requests:
-            return []
+            if self._grammar_jobs and not resolved:  # nothing else to do: wait a little rather than spin
+                wait_for_futures([job.future for job in self._grammar_jobs.values()], GRAMMAR_POLL_SECONDS,
+                                 FIRST_COMPLETED)
+            return resolved
         self._record_usage()
         rows, samplers = self._samplers(plan)
         # The generators this step may draw from, to replay it exactly after a fault.
@@ -228,6 +242,34 @@ class EngineCore:
             outputs = self._commit(plan, result)
         self.stats.num_steps += 1
         self.stats.busy_seconds += time.perf_counter() - start
+        return resolved + outputs
+
+    def _resolve_grammars(self) -> list[SampleOutput]:
+        """Schedule the requests whose grammars have compiled; fail those whose grammars failed or
+        are late (their error outputs)."""
+        outputs = []
+        now = time.monotonic()
+        for request_id, job in list(self._grammar_jobs.items()):
+            if not job.future.done() and now < job.deadline:
+                continue
+            samples = self._groups[request_id]
+            del self._grammar_jobs[request_id]
+            try:
+                if not job.future.done():
+                    job.future.cancel()  # a compile that has not started yet never will
+                    raise job.timeout_error(self.structured_output.compile_timeout)
+                grammars = self.structured_output.matchers_for(job.future.result(), len(samples))
+            except ParameterError as e:
+                outputs += self._fail(samples[0], str(e), e.param)
+                continue
+            except Exception as e:
+                logger.exception("request %s: its grammar failed to compile", request_id)
+                outputs += self._fail(samples[0], f"the engine failed to compile this request's grammar: {e!r}")
+                continue
+            for sample, grammar in zip(samples, grammars):
+                sample.grammar = grammar
+                sample.status = RequestStatus.WAITING
+            self.scheduler.add(samples[0])
         return outputs
 
     def _samplers(self, plan: SchedulerOutput) -> tuple[list[int], list[Request]]:
@@ -412,15 +454,17 @@ class EngineCore:
         for generator, state in states:
             generator.set_state(state)
 
-    def _fail(self, request: Request, message: str) -> list[SampleOutput]:
+    def _fail(self, request: Request, message: str, param: str | None = None) -> list[SampleOutput]:
         """End the request's whole group with an error: one output per sample, carrying `message`
-        (none if the group has ended already: two of its samples were at fault)."""
+        and, when the request's own field is at fault, `param` (none if the group has ended
+        already: two of its samples were at fault)."""
         samples = self._groups.pop(request.group_id, None)
         if samples is None:
             return []
         self._end_group(samples, RequestStatus.FINISHED_ERROR)
         self._count_finished(samples)
-        return [SampleOutput(r.group_id, r.sample_index, [], None, "error", None, r.num_cached_tokens or 0, message)
+        return [SampleOutput(r.group_id, r.sample_index, [], None, "error", None, r.num_cached_tokens or 0, message,
+                             error_param=param)
                 for r in samples]
 
     def fail_all(self, message: str) -> list[SampleOutput]:
@@ -432,8 +476,13 @@ class EngineCore:
 
     def _end_group(self, samples: list[Request], status: RequestStatus) -> None:
         """End every sample of a group, whatever its state, and free what it holds."""
+        job = self._grammar_jobs.pop(samples[0].group_id, None) if samples else None
+        if job is not None:
+            job.future.cancel()  # unless it is compiling already: then its result only joins the cache
         for request in samples:
-            if not request.is_finished:
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+                request.status = status  # never scheduled: it holds nothing
+            elif not request.is_finished:
                 self.scheduler.finish(request, status)
             self._pending_forks.pop(request.request_id, None)
 
@@ -460,7 +509,8 @@ class EngineCore:
     # ---- figures -------------------------------------------------------------------------
 
     def core_stats(self) -> CoreStats:
-        return CoreStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.stats(),
+        num_waiting = len(self.scheduler.waiting) + len(self._grammar_jobs)
+        return CoreStats(len(self.scheduler.running), num_waiting, self.kv.stats(),
                          self.scheduler.num_preemptions)
 
     def reset_prefix_cache(self) -> bool:
@@ -473,4 +523,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the executor's workers; the core runs no more steps."""
+        self.structured_output.shutdown()
         self.executor.shutdown()

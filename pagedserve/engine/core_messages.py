@@ -66,6 +66,10 @@ class SampleOutput(msgspec.Struct, array_like=True):
     # Sent with a sample's first token: when the scheduler first admitted it (time.monotonic(),
     # which is one clock for every process of a machine).
     scheduled_time: float | None = None
+    # With an error the client caused (a grammar that does not compile in time, say): the
+    # request's field at fault, for a 400 naming it ("structured_outputs" stands for the field
+    # the front took the constraint from).
+    error_param: str | None = None
 
 
 class CoreStats(msgspec.Struct, array_like=True):

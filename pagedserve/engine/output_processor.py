@@ -99,12 +99,15 @@ class OutputProcessor:
         result = ProcessedOutputs()
         now = time.monotonic()
         touched: dict[str, str | None] = {}  # request id -> error message
+        error_params: dict[str, str] = {}  # request id -> the field at fault, for an error the request caused
         for out in outputs:
             state = self._requests.get(out.request_id)
             if state is None or touched.get(out.request_id):
                 continue  # aborted or finished here already (the core may run a step ahead), or failed
             if out.error is not None:
                 touched[out.request_id] = out.error
+                if out.error_param is not None:
+                    error_params[out.request_id] = out.error_param
                 continue
             sample = state.samples[out.index]
             if sample.finish_reason is not None:
@@ -118,7 +121,7 @@ class OutputProcessor:
                 continue
             touched.setdefault(out.request_id, None)
         for request_id, error in touched.items():
-            result.outputs.append(self._output(self._requests[request_id], error))
+            result.outputs.append(self._output(self._requests[request_id], error, error_params.get(request_id)))
         return result
 
     def _apply(self, state: _RequestState, sample: _Sample, out: SampleOutput, now: float,
@@ -160,7 +163,7 @@ class OutputProcessor:
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def _output(self, state: _RequestState, error: str | None) -> RequestOutput:
+    def _output(self, state: _RequestState, error: str | None, error_param: str | None = None) -> RequestOutput:
         if error is not None:
             for sample in state.samples:
                 if sample.finish_reason is None:
@@ -177,6 +180,7 @@ class OutputProcessor:
                      "first_token_time": state.first_token_time,
                      "finish_time": max((s.finish_time or 0.0) for s in state.samples) if finished else None},
             error=error,
+            error_param=error_param,
             prompt_logprobs=state.prompt_logprobs,
         )
         if finished:

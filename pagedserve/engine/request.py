@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # new, or preempted and waiting to be recomputed
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # new, its grammar compiling: not yet in the scheduler
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -26,7 +27,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.RUNNING)
 
 
 class Request:

@@ -8,6 +8,13 @@ steps (which commit nothing). Before sampling, the matchers of the constrained r
 bitmask of allowed tokens; the sampler applies it to those rows only, so free rows in the same
 batch pay nothing.
 
+Grammars compile on a small thread pool, off the core's step loop: a request waits for its
+grammar outside the scheduler (`RequestStatus.WAITING_FOR_GRAMMAR`) while the others step, and
+fails with a ParameterError once `grammar_compile_timeout` passes. xgrammar cannot interrupt a
+compile: one past its time limit keeps its pool thread until it ends (its grammar then joins the
+cache, so a retry is quick). `grammar_check`'s limits refuse the specs that would hold a thread
+for minutes, and the pool's size bounds what the rest can take from the model's cores.
+
 The core deals in token ids, but the grammar compiler needs the vocabulary's strings: it takes
 the front's tokenizer when the core runs in the front's process; in a process of its own, the
 core loads the checkpoint's on a thread as soon as it is ready (`preload`), or at the latest on
@@ -22,10 +29,14 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.engine.grammar_check import (MAX_JSON_DEPTH, check_ebnf, check_regex, check_size, json_depth,
+                                             parse_schema)
 from pagedserve.sampling_params import ParameterError, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -35,6 +46,10 @@ if TYPE_CHECKING:
 # newlines until max_tokens (the 135M default model does, after a prompt ending in "{"), and the
 # output no longer parses; one keeps the model's choice of nothing, a space or a newline.
 JSON_MAX_WHITESPACE = 1
+
+# Threads that compile grammars. Two: a compile that overruns its time limit (it cannot be
+# stopped) leaves one to the others; more would take cores from the model's steps.
+COMPILE_THREADS = 2
 
 # xgrammar's errors start with a timestamp and a C++ source location; the rest is for the user.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -73,10 +88,38 @@ def _structural_tag(text: str) -> str:
                        "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}})
 
 
+def _check_tag_schemas(tag: Any) -> None:
+    """The limits of grammar_check on a structural tag: its nesting, and each JSON schema in it."""
+    if json_depth(tag) > MAX_JSON_DEPTH:
+        raise ParameterError("structured_outputs", f"structured_outputs: the structural tag nests deeper than "
+                             f"{MAX_JSON_DEPTH} levels")
+    stack = [tag]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "json_schema" in item:
+                parse_schema(item["json_schema"])
+            stack.extend(value for key, value in item.items() if key != "json_schema")
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def check_grammar(spec: StructuredOutputsParams) -> None:
-    """ParameterError (naming structured_outputs) unless xgrammar can build the grammar. Needs no
-    vocabulary, so the front checks before a request reaches the core."""
+    """ParameterError (naming structured_outputs) unless the spec is within grammar_check's limits
+    and xgrammar can build the grammar. Needs no vocabulary, so the front checks before a request
+    reaches the core. Once a spec has passed, checking it again in the same process is free."""
+    if getattr(spec, "_checked", False):
+        return
+    if spec.json is not None:
+        parse_schema(spec.json)
+    elif spec.regex is not None:
+        check_regex(spec.regex, "regex")
+    elif spec.grammar is not None:
+        check_ebnf(spec.grammar)
     kind, text, _ = spec.key
+    check_size(text, f"{kind} spec")
+    if kind == "structural_tag":
+        _check_tag_schemas(json.loads(_structural_tag(text)))
     xgr = load_xgrammar()
     try:
         if kind == "json":
@@ -90,15 +133,32 @@ def check_grammar(spec: StructuredOutputsParams) -> None:
         elif kind == "structural_tag":
             xgr.Grammar.from_structural_tag(_structural_tag(text))
     except Exception as e:  # xgrammar raises RuntimeError (C++) or ValueError
-        raise ParameterError("structured_outputs", f"the {kind} constraint cannot be compiled: {_reason(e)}") from None
+        raise ParameterError("structured_outputs", f"structured_outputs: the {kind} constraint cannot be compiled: {_reason(e)}") from None
+    spec._checked = True  # not a field: a copy that crosses to the core's process is checked again there
+
+
+@dataclass
+class GrammarJob:
+    """A request's grammar being compiled, and when the request stops waiting for it."""
+
+    spec: StructuredOutputsParams
+    future: Future  # of the CompiledGrammar
+    deadline: float  # time.monotonic()
+
+    def timeout_error(self, timeout: float) -> ParameterError:
+        return ParameterError("structured_outputs", f"structured_outputs: the {self.spec.key[0]} constraint did not "
+                              f"compile within {timeout:g} s; simplify it")
 
 
 class StructuredOutputManager:
     """Compiles grammars and builds each step's bitmask. `load_tokenizer` is called once, on the
     first constrained request; `stop_token_ids` end a grammar (the engine's EOS ids)."""
 
-    def __init__(self, vocab_size: int, stop_token_ids: list[int], load_tokenizer: Callable[[], Any]) -> None:
+    def __init__(self, vocab_size: int, stop_token_ids: list[int], load_tokenizer: Callable[[], Any],
+                 compile_timeout: float = 10.0) -> None:
         self.vocab_size = vocab_size
+        self.compile_timeout = compile_timeout
+        self._pool: ThreadPoolExecutor | None = None  # started with the first constrained request
         self.stop_token_ids = sorted(stop_token_ids)
         self._load_tokenizer = load_tokenizer
         self._compiler: xgr.GrammarCompiler | None = None
@@ -124,6 +184,35 @@ class StructuredOutputManager:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=256 * 2**20)
             return self._compiler
 
+    def submit(self, spec: StructuredOutputsParams) -> GrammarJob:
+        """Start checking and compiling `spec` on the pool (`build`)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        return GrammarJob(spec, self._pool.submit(self.build, spec), time.monotonic() + self.compile_timeout)
+
+    def build(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The spec checked (again, in the core: it may come from a socket), compiled, and found to
+        allow some output. ParameterError if not."""
+        check_grammar(spec)
+        compiled = self.compile(spec)
+        xgr = load_xgrammar()
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids).fill_next_token_bitmask(bitmask)
+        if not bitmask.any():  # no token may start the output, and it may not be empty either
+            raise ParameterError("structured_outputs",
+                                 f"structured_outputs: the {spec.key[0]} constraint allows no output at all")
+        return compiled
+
+    def matchers_for(self, compiled: xgr.CompiledGrammar, n: int) -> list[xgr.GrammarMatcher]:
+        """One matcher per sample, each at the grammar's start."""
+        matcher = load_xgrammar().GrammarMatcher
+        return [matcher(compiled, override_stop_tokens=self.stop_token_ids) for _ in range(n)]
+
+    def shutdown(self) -> None:
+        """Stop taking compiles; one running goes on in its (daemon) thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar (the compiler caches it by its spec). ParameterError if it fails."""
         compiler = self._get_compiler()
@@ -143,12 +232,11 @@ class StructuredOutputManager:
             return compiler.compile_grammar(text)
         except Exception as e:
             raise ParameterError("structured_outputs",
-                                 f"the {kind} constraint cannot be compiled: {_reason(e)}") from None
+                                 f"structured_outputs: the {kind} constraint cannot be compiled: {_reason(e)}") from None
 
     def matchers(self, spec: StructuredOutputsParams, n: int) -> list[xgr.GrammarMatcher]:
-        """One matcher per sample, each at the grammar's start."""
-        compiled, matcher = self.compile(spec), load_xgrammar().GrammarMatcher
-        return [matcher(compiled, override_stop_tokens=self.stop_token_ids) for _ in range(n)]
+        """One matcher per sample, each at the grammar's start, compiled on the caller's thread."""
+        return self.matchers_for(self.build(spec), n)
 
     def bitmask(self, matchers: list[xgr.GrammarMatcher | None], device: torch.device | str
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:

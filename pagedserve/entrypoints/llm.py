@@ -106,7 +106,7 @@ class LLM:
         start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
         try:
             while len(finished) < len(ids):
-                if not engine.scheduler.has_unfinished():
+                if not engine.core.has_unfinished_requests():
                     raise RuntimeError("the engine stopped with requests unfinished")
                 for output in engine.step():
                     if output.finished and output.request_id in wanted:

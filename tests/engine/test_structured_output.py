@@ -2,7 +2,9 @@
 schema, even sampled from the 135M model; greedy constrained decoding equals transformers' with
 xgrammar's own logits processor; free rows in a mixed batch are untouched; the grammar state
 survives preemption and is per sample for n > 1; a spec that cannot compile is a ValueError
-naming structured_outputs; nothing leaks."""
+naming structured_outputs; specs beyond grammar_check's limits and keywords xgrammar would not
+enforce are refused before xgrammar sees them; grammars compile off the step loop (others keep
+stepping, a late one fails its request, an abort drops the wait); nothing leaks."""
 
 from __future__ import annotations
 
@@ -205,3 +207,190 @@ def test_the_engine_imports_xgrammar_only_when_a_grammar_needs_it():
             "from pagedserve.sampling_params import StructuredOutputsParams; "
             "check_grammar(StructuredOutputsParams(regex='a+')); assert 'xgrammar' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---- limits, refusals, compiling off the step loop -------------------------------------------
+
+def nested(depth: int, leaf: dict | None = None) -> dict:
+    schema = leaf or {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("spec,message", [
+    # 30,000 nested groups in a pattern killed the process inside xgrammar (SIGSEGV).
+    ({"json": {"type": "string", "pattern": "(" * 30000 + "a" + ")" * 30000}}, "nests groups"),
+    ({"regex": "(" * 3000 + "a" + ")" * 3000}, "nests groups"),
+    ({"regex": "[" * 200 + "a" + "]" * 200}, None),  # a class holds no group: "[[[a]" is one class
+    ({"grammar": "root ::= " + "(" * 3000 + '"a"' + ")" * 3000}, "nests parentheses"),
+    ({"json": nested(300)}, "nests deeper than"),
+    ({"json": json.dumps(nested(300))}, "nests deeper than"),
+    ({"json": "[" * 100000 + "]" * 100000}, "nests deeper than"),
+    ({"json": {"enum": ["x" * 1000] * 300}}, "characters long"),
+])
+def test_specs_beyond_the_limits_are_refused_before_xgrammar(spec, message):
+    from pagedserve.engine.structured_output import check_grammar
+
+    if message is None:
+        check_grammar(StructuredOutputsParams(**spec))
+        return
+    with pytest.raises(ParameterError, match=message) as info:
+        check_grammar(StructuredOutputsParams(**spec))
+    assert info.value.param == "structured_outputs"
+
+
+def test_real_schemas_are_far_within_the_limits():
+    from pydantic import BaseModel
+
+    from pagedserve.engine.structured_output import check_grammar
+
+    class Leaf(BaseModel):
+        tags: list[str]
+        score: float | None = None
+
+    class Node(BaseModel):
+        name: str
+        children: list[Node] = []
+        leaf: Leaf | None = None
+
+    check_grammar(StructuredOutputsParams(json=Node.model_json_schema()))  # $defs, $ref, anyOf
+    check_grammar(StructuredOutputsParams(json=nested(40)))
+    check_grammar(StructuredOutputsParams(regex=r"(\d{3})-((\d{2})|([a-z]+))+"))
+
+
+@pytest.mark.parametrize("schema,what", [
+    ({"not": {}}, '"not"'),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, '"not" at #/properties/a'),
+    ({"$ref": "https://example.com/schema.json"}, '"$ref"'),
+    ({"$defs": {"x": {"$anchor": "A", "type": "integer"}}, "$ref": "#A"}, '"$ref"'),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, '"uniqueItems"'),
+    ({"type": "array", "contains": {"const": 5}}, '"contains"'),
+    ({"if": {"type": "integer"}, "then": {"minimum": 5}}, '"if"'),
+    ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, '"dependentRequired"'),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, '"allOf" of more than one'),
+    ({"type": "string", "format": "password"}, '"format": "password"'),
+])
+def test_keywords_xgrammar_would_not_enforce_are_refused(schema, what):
+    from pagedserve.engine.structured_output import check_grammar
+
+    with pytest.raises(ParameterError, match="cannot enforce") as info:
+        check_grammar(StructuredOutputsParams(json=schema))
+    assert what in str(info.value)
+
+
+@pytest.mark.parametrize("schema,message", [({"type": "object", "not": {}}, "cannot enforce"),
+                                            (nested(300), "nests deeper than")])
+def test_a_structural_tags_schemas_are_held_to_the_same_limits(schema, message):
+    from pagedserve.engine.structured_output import check_grammar
+
+    older = {"structures": [{"begin": "<a>", "schema": schema, "end": "</a>"}], "triggers": ["<a>"]}
+    with pytest.raises(ParameterError, match=message):
+        check_grammar(StructuredOutputsParams(structural_tag=older))
+    older["structures"][0]["schema"] = {"type": "object"}
+    check_grammar(StructuredOutputsParams(structural_tag=older))
+
+
+def test_keyword_names_as_property_names_and_values_are_not_keywords():
+    from pagedserve.engine.structured_output import check_grammar
+
+    check_grammar(StructuredOutputsParams(json={
+        "type": "object", "properties": {"not": {"type": "string"}, "if": {"enum": [{"not": 1}]}},
+        "allOf": [{"required": ["not"]}], "$defs": {"d": {"type": "string", "format": "email"}}}))
+
+
+def run_until_finished(engine: LLMEngine, request_ids: set[str], limit: float = 120.0) -> dict:
+    import time
+
+    finished, start = {}, time.monotonic()
+    while not request_ids <= set(finished):
+        assert time.monotonic() - start < limit, "requests did not finish"
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return finished
+
+
+@pytest.fixture
+def gated_build(llm, monkeypatch):
+    """The manager's build, held until the test sets the event (a compile that takes long)."""
+    import threading
+
+    manager = llm.llm_engine.core.structured_output
+    gate, started = threading.Event(), threading.Event()
+    build = manager.build
+
+    def slow_build(spec):
+        started.set()
+        gate.wait(30)
+        return build(spec)
+
+    monkeypatch.setattr(manager, "build", slow_build)
+    monkeypatch.setattr(manager, "compile_timeout", 300.0)  # the gate decides, not the clock of a busy machine
+    yield manager, gate, started
+    gate.set()
+
+
+def test_a_compiling_grammar_holds_up_no_other_request(llm, gated_build):
+    manager, gate, started = gated_build
+    engine = llm.llm_engine
+    engine.add_request("constrained", PROMPTS[0], constrained(max_tokens=8, json=PERSON))
+    engine.add_request("free", PROMPTS[1], SamplingParams(max_tokens=8, temperature=0.0))
+    assert started.wait(30)
+    done = run_until_finished(engine, {"free"})
+    assert len(done["free"].outputs[0].token_ids) == 8
+    assert engine.has_unfinished_requests() and engine.core.core_stats().num_waiting == 1
+    gate.set()
+    done = run_until_finished(engine, {"constrained"})
+    assert done["constrained"].error is None and done["constrained"].outputs[0].token_ids
+    assert_all_free(llm)
+
+
+def test_a_grammar_past_its_time_limit_fails_its_request_naming_the_field(llm, gated_build, monkeypatch):
+    manager, gate, started = gated_build
+    monkeypatch.setattr(manager, "compile_timeout", 0.3)
+    engine = llm.llm_engine
+    engine.add_request("late", PROMPTS[0], constrained(max_tokens=8, regex="[a-z]+"))
+    assert started.wait(30)
+    done = run_until_finished(engine, {"late"})["late"]
+    assert done.error_param == "structured_outputs" and "did not compile within 0.3 s" in done.error
+    assert done.outputs[0].finish_reason == "error"
+    assert_all_free(llm)
+
+
+def test_aborting_a_request_that_waits_for_its_grammar_frees_it(llm, gated_build):
+    manager, gate, started = gated_build
+    engine = llm.llm_engine
+    engine.add_request("running", PROMPTS[0], constrained(max_tokens=4, choice=["yes", "no"]))
+    engine.add_request("queued", PROMPTS[0], constrained(max_tokens=4, choice=["a", "b"]))
+    engine.add_request("queued-too", PROMPTS[0], constrained(max_tokens=4, choice=["c", "d"]))
+    assert started.wait(30)
+    queued_jobs = [engine.core._grammar_jobs[r] for r in ("queued", "queued-too")]
+    for request_id in ("running", "queued", "queued-too"):
+        engine.abort_request(request_id)
+    assert not engine.core._grammar_jobs and not engine.has_unfinished_requests()
+    assert any(job.future.cancelled() for job in queued_jobs)  # the pool has 2 threads: one never started
+    assert engine.step() == []
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("spec", [{"grammar": 'root ::= root "a"'}, {"regex": r"[^\s\S]"}])
+def test_a_grammar_that_allows_no_output_fails_its_request(llm, spec):
+    engine = llm.llm_engine
+    engine.add_request("empty", PROMPTS[0], constrained(max_tokens=4, **spec))
+    done = run_until_finished(engine, {"empty"})["empty"]
+    assert done.error_param == "structured_outputs" and "allows no output" in done.error
+    assert_all_free(llm)
+
+
+def test_a_repeated_schema_compiles_once(llm):
+    import time
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(150)}}
+    manager = llm.llm_engine.core.structured_output
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        manager.build(StructuredOutputsParams(json=schema))
+        times.append(time.perf_counter() - start)
+    assert times[1] < times[0] / 3, times

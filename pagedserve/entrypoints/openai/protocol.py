@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagedserve.engine.grammar_check import parse_schema, rebase_refs
 from pagedserve.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
 from pagedserve.text import check_unicode
 
@@ -229,6 +230,11 @@ class SamplingRequest(RequestModel):
         if len(fields) > 1:
             raise ParameterError(fields[1], f"{fields[1]} cannot be combined with {fields[0]}: give one constraint")
         return fields[0] if fields else None
+
+    def constraint_field(self) -> str | None:
+        """The field the request's constraint comes from (for naming it in an error found later),
+        once structured_outputs_params has succeeded."""
+        return self.structured_output_field()
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The constraint the request puts on its output. Errors name the field it came from."""
@@ -483,6 +489,14 @@ class ChatCompletionRequest(SamplingRequest):
         return {tool.function.name: tool.function.parameters_schema() if tool.function.strict else {"type": "object"}
                 for tool in self.tools}
 
+    def constraint_field(self) -> str | None:
+        return "tools" if self.tool_schema_applies() else self.structured_output_field()
+
+    def tool_schema_applies(self) -> bool:
+        """Whether tool_choice ("required" or a named function) constrains the output."""
+        choice = self.resolved_tool_choice()
+        return isinstance(choice, NamedToolChoice) or choice == "required"
+
     def tool_schema(self) -> dict[str, Any] | None:
         """The JSON schema that tool_choice "required" or a named function puts on the output (as
         vLLM's): a named function's arguments; for "required", an array of calls
@@ -493,10 +507,12 @@ class ChatCompletionRequest(SamplingRequest):
                         if tool.function.name == choice.function.name)
         if choice != "required":
             return None
+        # Each tool's own references ("#", "#/$defs/...") point into its parameters where they are embedded.
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                                                   "parameters": tool.function.parameters_schema()},
+                                                   "parameters": rebase_refs(parse_schema(tool.function.parameters_schema()),
+                                                                             f"#/items/anyOf/{i}/properties/parameters")},
                   "required": ["name", "parameters"], "additionalProperties": False}
-                 for tool in self.tools]
+                 for i, tool in enumerate(self.tools)]
         schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if self.parallel_tool_calls is False:
             schema["maxItems"] = 1
@@ -506,7 +522,10 @@ class ChatCompletionRequest(SamplingRequest):
         """The request's constraint, or the tools' for tool_choice "required" or a named function
         (one constraint at most: both are a 400). The tools' JSON has no optional whitespace:
         arguments come back compact."""
-        schema = self.tool_schema()
+        try:
+            schema = self.tool_schema()
+        except ParameterError as e:  # a tool's parameters xgrammar cannot take
+            raise ParameterError("tools", str(e).replace("structured_outputs", "tools", 1)) from None
         if schema is None:
             return super().structured_outputs_params()
         field = self.structured_output_field()

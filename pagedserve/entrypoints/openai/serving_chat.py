@@ -28,7 +28,7 @@ from pagedserve.entrypoints.openai.tool_parsers import (
 )
 from pagedserve.entrypoints.openai.tool_prompt import chat_turns, template_renders_tools
 from pagedserve.outputs import Logprob, RequestOutput, SampleLogprobs
-from pagedserve.sampling_params import ParameterError, StructuredOutputsParams
+from pagedserve.sampling_params import ParameterError
 
 AUTO_TOOL_CHOICE_OFF = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
                         '(start the server with them, or set tool_choice to "required", "none" or a named function)')
@@ -61,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self.check_tools(request)
-        strict_calls = self.strict_calls_constraint(request)
+        strict_calls = await self.run_blocking(self.strict_calls_constraint, request)  # parses schemas: off the loop
         # Before any template or tokenization: messages whose text cannot fit cost nothing. A
         # template puts each message's content into the prompt, at most trimmed of surrounding
         # whitespace (Llama 3's trims), so the stripped lengths are what the prompt holds at least.
@@ -77,11 +77,11 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.max_tokens_left(num_prompt_tokens)  # the operator's default, or the context limit
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         self.check_work(RequestWork((num_prompt_tokens,), request.n or 1, max_tokens, num_logprobs or 0))
-        params = self.sampling_params(request, max_tokens, num_logprobs)
+        params = await self.sampling_params(request, max_tokens, num_logprobs)
         if strict_calls is not None:
             params = dataclasses.replace(params, structured_outputs=strict_calls)
         request_id = random_id("chatcmpl")
-        outputs = self.generate([prompt], params, request_id, "messages")
+        outputs = self.generate([prompt], params, request_id, "messages", request.constraint_field())
         # Wait for the first output before answering, so a refused prompt is still an HTTP error.
         _, output = await anext(outputs)
         if request.stream:
@@ -109,13 +109,9 @@ class OpenAIServingChat(OpenAIServing):
     def check_tools(self, request: ChatCompletionRequest) -> None:
         """A 400 naming the field for a tool_choice the tools or the server cannot serve."""
         try:
-            request.check_tool_choice()
-            schema = request.tool_schema()
-            if schema is not None:  # a schema xgrammar cannot compile is the tools' fault
-                check_grammar(StructuredOutputsParams(json=schema))
+            request.check_tool_choice()  # the tools' schema is checked with the other parameters, off the loop
         except ParameterError as e:
-            param = e.param if e.param != "structured_outputs" else "tools"
-            raise bad_request(str(e).replace("structured_outputs", "tools", 1), param) from e
+            raise bad_request(str(e), e.param) from e
         if request.resolved_tool_choice() == "auto" and request.tools and not self.enable_auto_tool_choice:
             raise bad_request(AUTO_TOOL_CHOICE_OFF, "tool_choice")
 
@@ -124,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
         of the tools and its arguments follow a strict tool's schema (any JSON object for a tool that
         is not strict), while the model stays free to answer in text. A 400 naming `tools` when the
         parser's format has no such tag, or when the tag does not compile; naming the other
-        constraint when the request has one too."""
+        constraint when the request has one too. Runs on the executor."""
         arguments = request.strict_auto_arguments()
         if arguments is None or not self.enable_auto_tool_choice:
             return None

@@ -67,9 +67,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_work(RequestWork(tuple(len(ids) for _, ids in prompts), request.n or 1, max_tokens,
                                     request.logprobs or 0, bool(request.echo), request.prompt_logprobs))
         # The engine generates at least one token; a prompt-only answer leaves it out.
-        params = self.sampling_params(request, max(max_tokens, 1), request.logprobs, prompt_logprobs)
+        params = await self.sampling_params(request, max(max_tokens, 1), request.logprobs, prompt_logprobs)
         request_id = random_id("cmpl")
-        outputs = self.generate(prompts, params, request_id, "prompt")
+        outputs = self.generate(prompts, params, request_id, "prompt", request.constraint_field())
         if prompt_only:
             outputs = _without_generation(outputs)
         # Wait for the first output before answering, so a refused prompt is still an HTTP error.

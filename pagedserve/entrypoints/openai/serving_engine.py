@@ -247,24 +247,30 @@ class OpenAIServing:
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
                 "the completion). Please reduce the length of the messages or completion.", param)
 
-    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    async def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                              prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams, checked against the model too, so that every bad value
-        is a 400 naming its field before the engine sees it."""
+        is a 400 naming its field before the engine sees it. On the executor: a structured-output
+        spec is parsed and checked here, once, and a big one takes a while."""
+        return await self.run_blocking(self._sampling_params, request, max_tokens, logprobs, prompt_logprobs)
+
+    def _sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:
         try:
             params = request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ParameterError as e:  # named after the request's field already
+            raise bad_request(str(e), e.param) from e
+        try:
             params.verify_for_engine(self.engine.vocab_size, self.engine.max_num_seqs)
         except ParameterError as e:
-            param = e.param
-            if param == "structured_outputs":  # a grammar that does not compile: name the field it came from
-                param = request.structured_output_field()
-            raise bad_request(str(e).replace("structured_outputs", param, 1), param) from e
+            raise constraint_error(e, request.constraint_field()) from e
         return params
 
     async def generate(self, prompts: list[Prompt], params: SamplingParams, request_id: str,
-                       param: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+                       param: str, constraint_field: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every prompt as its own engine request; yield (prompt index, cumulative output) as
-        outputs arrive. Errors come out as APIError; closing the iterator aborts what is left, and so
+        outputs arrive. Errors come out as APIError (one the engine pins on the constraint names
+        `constraint_field`, where it came from); closing the iterator aborts what is left, and so
         does the drain's abort (then the error is a 503)."""
         if self.drain.aborted:
             raise shutting_down()
@@ -275,14 +281,24 @@ class OpenAIServing:
             try:
                 async for item in outputs:
                     yield item
-            except ValueError as e:  # the engine refused a prompt (or, named, a parameter)
-                raise bad_request(str(e), getattr(e, "param", param)) from e
+            except ParameterError as e:  # the engine refused a parameter (a grammar that does not compile in time)
+                raise constraint_error(e, constraint_field) from e
+            except ValueError as e:  # the engine refused a prompt
+                raise bad_request(str(e), param) from e
             except EngineUnavailable as e:  # the core died or is restarting: retry later
                 raise engine_unavailable(str(e)) from e
             except EngineError as e:
                 raise server_error(str(e)) from e
             except Interrupted:
                 raise shutting_down("the server shut down before this request finished") from None
+
+
+def constraint_error(e: ParameterError, constraint_field: str | None) -> APIError:
+    """A 400 for a ParameterError; "structured_outputs", the engine's name for any constraint,
+    becomes the request's field it came from."""
+    if e.param != "structured_outputs" or constraint_field is None:
+        return bad_request(str(e), e.param)
+    return bad_request(str(e).replace("structured_outputs", constraint_field, 1), constraint_field)
 
 
 class Interrupted(Exception):
