@@ -118,10 +118,10 @@ def check_grammar(spec: StructuredOutputsParams) -> None:
         check_ebnf(spec.grammar)
     kind, text, _ = spec.key
     check_size(text, f"{kind} spec")
-    if kind == "structural_tag":
-        _check_tag_schemas(json.loads(_structural_tag(text)))
     xgr = load_xgrammar()
     try:
+        if kind == "structural_tag":
+            _check_tag_schemas(json.loads(_structural_tag(text)))
         if kind == "json":
             xgr.Grammar.from_json_schema(text)
         elif kind == "regex":
@@ -132,6 +132,8 @@ def check_grammar(spec: StructuredOutputsParams) -> None:
             xgr.Grammar.from_ebnf(_choice_grammar(spec.choice))
         elif kind == "structural_tag":
             xgr.Grammar.from_structural_tag(_structural_tag(text))
+    except ParameterError:  # a limit of grammar_check: its message says which
+        raise
     except Exception as e:  # xgrammar raises RuntimeError (C++) or ValueError
         raise ParameterError("structured_outputs", f"structured_outputs: the {kind} constraint cannot be compiled: {_reason(e)}") from None
     spec._checked = True  # not a field: a copy that crosses to the core's process is checked again there

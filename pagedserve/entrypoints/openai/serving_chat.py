@@ -28,7 +28,7 @@ from pagedserve.entrypoints.openai.tool_parsers import (
 )
 from pagedserve.entrypoints.openai.tool_prompt import chat_turns, template_renders_tools
 from pagedserve.outputs import Logprob, RequestOutput, SampleLogprobs
-from pagedserve.sampling_params import ParameterError
+from pagedserve.sampling_params import ParameterError, StructuredOutputsParams
 
 AUTO_TOOL_CHOICE_OFF = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
                         '(start the server with them, or set tool_choice to "required", "none" or a named function)')
