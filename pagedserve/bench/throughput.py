@@ -9,6 +9,8 @@ Systems:
 - hf-cb: transformers' own continuous batching (`init_continuous_batching`), if present;
 - vllm / llamacpp: run by their own Python (`--vllm-python`, `--llamacpp-python`) as
   subprocesses over the same workload; skipped with a message when not given or not importable.
+  vLLM runs twice, with its default threads (every core but one) and bound to every core;
+  vllm-all-cores only the second way.
 Every system runs the same weights: the embedded SmolLM2 in float32, except llama.cpp which
 runs the GGUF (Q4_1) natively.
 """
@@ -30,7 +32,7 @@ import torch
 from pagedserve.bench.workload import Workload
 
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
-SYSTEMS = ("pagedserve", "pagedserve-fp8", "hf-static", "hf-cb", "vllm", "llamacpp")
+SYSTEMS = ("pagedserve", "pagedserve-fp8", "hf-static", "hf-cb", "vllm", "vllm-all-cores", "llamacpp")
 
 
 @dataclass
@@ -270,7 +272,8 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
                          device: str = "cpu", dtype: str = "float32", model: str | None = None,
                          log=print) -> list[SystemResult]:
     """pagedserve and transformers run `model` (default: the embedded one) on `device` in `dtype`;
-    vLLM (in `dtype` too) and llama.cpp (CPU builds) the embedded model on the CPU."""
+    vLLM (in `dtype` too) `hf_model_dir`, else `model`, and llama.cpp (CPU builds) the embedded
+    model on the CPU."""
     from pagedserve.models.loader import embedded_model_path, load_model, load_tokenizer
 
     unknown = set(systems) - set(SYSTEMS)
@@ -295,6 +298,7 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
         return load_hf_reference(getattr(torch, dtype), device, model)
 
     engine_kwargs = {"device": device, "dtype": dtype} | (engine_kwargs or {})
+    vllm_model = hf_model_dir or model or ""
 
     runs = []  # (label, thunk returning a SystemResult): one per row of the table
     for system in systems:
@@ -312,15 +316,17 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
                      for b in hf_batch_sizes]
         elif system == "hf-cb":
             runs.append(("hf-cb", lambda: run_hf_cb(workload, reps, hf_model())))
-        elif system == "vllm":
-            # vLLM's CPU default computes on all cores but one; also try it on every core.
-            runs.append(("vllm (default threads)", lambda: run_external(
-                "vllm", vllm_python, workload, reps, hf_model_dir or "", {"dtype": dtype},
-                label="vllm (default threads)")))
+        elif system in ("vllm", "vllm-all-cores"):
+            # vLLM's CPU default computes on all cores but one; "vllm" also runs it on every core,
+            # "vllm-all-cores" only that way.
+            if system == "vllm":
+                runs.append(("vllm (default threads)", lambda: run_external(
+                    "vllm", vllm_python, workload, reps, vllm_model, {"dtype": dtype},
+                    label="vllm (default threads)")))
             if vllm_python:
                 label = f"vllm ({os.cpu_count()} threads)"
                 runs.append((label, lambda label=label: run_external(
-                    "vllm", vllm_python, workload, reps, hf_model_dir or "", {"dtype": dtype},
+                    "vllm", vllm_python, workload, reps, vllm_model, {"dtype": dtype},
                     env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
                     label=label)))
         else:

@@ -107,4 +107,22 @@ def long_prompt(num_requests: int = 64, seed: int = 0, prompt_len=(512, 2048), o
     return Workload("long-prompt", base.requests)
 
 
-WORKLOADS = {"sharegpt-like": sharegpt_like, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "parallel-sampling": parallel_sampling}
+def decode_heavy(num_requests: int = 64, seed: int = 0, prompt_len=(16, 512), output_len=(64, 256),
+                 vocab: range = range(100, 49000)) -> Workload:
+    """sharegpt-like prompts with longer answers (three quarters as many output tokens as prompt
+    tokens, against under half): batched decode steps take most of the time."""
+    base = sharegpt_like(num_requests, seed, prompt_len, output_len, vocab)
+    return Workload("decode-heavy", base.requests)
+
+
+def long_outputs(num_requests: int = 64, seed: int = 0, prompt_len: int = 16, output_len: int = 256,
+                 vocab: range = range(100, 49000)) -> Workload:
+    """Short prompts of one length, each generating the same long output: decode steps alone, every
+    step the whole batch (the decode half of decode-heavy; its prompt half is `--output-len 1`)."""
+    rng = random.Random(seed)
+    return Workload("long-outputs", [WorkloadRequest(_random_tokens(rng, prompt_len, vocab), output_len)
+                                     for _ in range(num_requests)])
+
+
+WORKLOADS = {"sharegpt-like": sharegpt_like, "decode-heavy": decode_heavy, "long-prompt": long_prompt,
+             "long-outputs": long_outputs, "shared-prefix": shared_prefix, "parallel-sampling": parallel_sampling}

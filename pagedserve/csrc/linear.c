@@ -120,20 +120,138 @@ int linear_supports(int dtype) {
 #endif
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* With 16 vector registers of 8 lanes, a register tile is 6 rows x 16 columns (12 sums, two
+ * weight vectors and a broadcast), and a tile function walks its panel's (or half panel's) groups
+ * of 16 columns one after another: 64 bytes of each 256-byte step in either dtype. There are no
+ * bfloat16 dot products: a bfloat16 pair widens to two floats exactly (the even k by a shift, the
+ * odd k by masking off the even half), and x's rows are widened to float32 a chunk at a time
+ * (`columns`), so a step reads 8 bytes of each row. */
+#define X_WIDENED_BF16 1
+
+#define TILE(NAME, R, GROUPS, BF16)                                                                \
+    static void NAME(const char *x, int64_t ldx, const char *panel, int64_t steps, float *sums,     \
+                     int first) {                                                                  \
+        const __m256i odd_half = _mm256_set1_epi32((int)0xFFFF0000u);                              \
+        for (int g = 0; g < GROUPS; g++) {                                                         \
+            __m256 acc[R][2];                                                                      \
+            float *s = sums + 16 * g;                                                              \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int j = 0; j < 2; j++)                                                        \
+                    acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(s + r * PANEL + 8 * j); \
+            for (int64_t i = 0; i < steps; i++) {                                                  \
+                const char *w = panel + i * STEP_BYTES + 64 * g;                                   \
+                _mm_prefetch(w + CHUNK * STEP_BYTES, _MM_HINT_T0);                                 \
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)w);                               \
+                __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + 32));                        \
+                if (!BF16) {                                                                       \
+                    __m256 w0 = _mm256_castsi256_ps(v0), w1 = _mm256_castsi256_ps(v1);             \
+                    for (int r = 0; r < R; r++) {                                                  \
+                        __m256 a = _mm256_broadcast_ss((const float *)(x + r * ldx + 4 * i));      \
+                        acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);                             \
+                        acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);                             \
+                    }                                                                              \
+                } else {                                                                           \
+                    /* the even k of the step, then the odd: 15 live registers at a time */        \
+                    __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));                    \
+                    __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));                    \
+                    for (int r = 0; r < R; r++) {                                                  \
+                        __m256 a = _mm256_broadcast_ss((const float *)(x + r * ldx + 8 * i));      \
+                        acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);                             \
+                        acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);                             \
+                    }                                                                              \
+                    w0 = _mm256_castsi256_ps(_mm256_and_si256(v0, odd_half));                      \
+                    w1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd_half));                      \
+                    for (int r = 0; r < R; r++) {                                                  \
+                        __m256 a = _mm256_broadcast_ss((const float *)(x + r * ldx + 8 * i + 4));  \
+                        acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);                             \
+                        acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);                             \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int j = 0; j < 2; j++)                                                        \
+                    _mm256_storeu_ps(s + r * PANEL + 8 * j, acc[r][j]);                            \
+        }                                                                                          \
+    }
+
+typedef void (*tile_fn)(const char *, int64_t, const char *, int64_t, float *, int);
+
+/* Tiles by [whole panel (4 groups) or half (2)][rows]. */
+#define TILES(PREFIX, BF16)                                                                        \
+    TILE(PREFIX##_1, 1, 4, BF16) TILE(PREFIX##_2, 2, 4, BF16) TILE(PREFIX##_3, 3, 4, BF16)         \
+    TILE(PREFIX##_4, 4, 4, BF16) TILE(PREFIX##_5, 5, 4, BF16) TILE(PREFIX##_6, 6, 4, BF16)         \
+    TILE(PREFIX##_h1, 1, 2, BF16) TILE(PREFIX##_h2, 2, 2, BF16) TILE(PREFIX##_h3, 3, 2, BF16)      \
+    TILE(PREFIX##_h4, 4, 2, BF16) TILE(PREFIX##_h5, 5, 2, BF16) TILE(PREFIX##_h6, 6, 2, BF16)      \
+    static const tile_fn PREFIX##_TILES[2][ROWS + 1] = {                                           \
+        {0, PREFIX##_1, PREFIX##_2, PREFIX##_3, PREFIX##_4, PREFIX##_5, PREFIX##_6},               \
+        {0, PREFIX##_h1, PREFIX##_h2, PREFIX##_h3, PREFIX##_h4, PREFIX##_h5, PREFIX##_h6}};
+
+TILES(f32, 0)
+TILES(bf16, 1)
+
+static inline float widen_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch converts float32 to bfloat16 (a NaN stays a quiet NaN). */
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+
+/* One row's sums (+ bias) written to y's columns [0, cols), rounded to y's dtype. */
+static void store_row(const float *sums, const void *bias, void *y, int cols, int dtype) {
+    if (dtype == F32) {
+        for (int c = 0; c < cols; c++) ((float *)y)[c] = sums[c] + (bias ? ((const float *)bias)[c] : 0.0f);
+    } else {
+        for (int c = 0; c < cols; c++)
+            ((uint16_t *)y)[c] = round_bf16(sums[c] + (bias ? widen_bf16(((const uint16_t *)bias)[c]) : 0.0f));
+    }
+}
+
+int linear_supports(int dtype) { return dtype == F32 || dtype == BF16; }
+
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifndef X_WIDENED_BF16
+#define X_WIDENED_BF16 0
+#endif
+
 /* Columns [first, first + cols) of y = x @ W.T (+ bias): one panel, or a half of one (vectors
  * 0-1 or 2-3 of each step, so the threads can split an odd number of panels evenly). */
 static void columns(const char *x, int64_t m, int64_t k, int64_t steps, const char *panel, const tile_fn *tiles,
                     const char *bias, char *y, int64_t n, int64_t first, int cols, int dtype) {
     const int elem = dtype == F32 ? 4 : 2;
     float sums[ROWS_MAX * PANEL];
+#if X_WIDENED_BF16
+    float wide[ROWS_MAX * 2 * CHUNK]; /* a chunk's k of the rows, widened to float32 */
+#endif
     for (int64_t r0 = 0; r0 < m; r0 += ROWS_MAX) {
         int64_t rows = m - r0 < ROWS_MAX ? m - r0 : ROWS_MAX;
-        for (int64_t i0 = 0; i0 < steps; i0 += CHUNK)
+        for (int64_t i0 = 0; i0 < steps; i0 += CHUNK) {
+            int64_t chunk = steps - i0 < CHUNK ? steps - i0 : CHUNK, ldx = k * elem;
+            const char *xs = x + r0 * ldx + 4 * i0;
+#if X_WIDENED_BF16
+            if (dtype == BF16) {
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t j = 0; j < 2 * chunk; j++)
+                        wide[r * 2 * CHUNK + j] = widen_bf16(((const uint16_t *)(x + (r0 + r) * ldx))[2 * i0 + j]);
+                xs = (const char *)wide, ldx = 8 * CHUNK;
+            }
+#endif
             for (int64_t r = 0; r < rows; r += ROWS)
-                tiles[rows - r < ROWS ? rows - r : ROWS](x + (r0 + r) * k * elem + 4 * i0, k * elem,
-                                                         panel + i0 * STEP_BYTES,
-                                                         steps - i0 < CHUNK ? steps - i0 : CHUNK,
+                tiles[rows - r < ROWS ? rows - r : ROWS](xs + r * ldx, ldx, panel + i0 * STEP_BYTES, chunk,
                                                          sums + r * PANEL, i0 == 0);
+        }
         for (int64_t r = 0; r < rows; r++)
             store_row(sums + r * PANEL, bias ? bias + first * elem : 0, y + ((r0 + r) * n + first) * elem, cols, dtype);
     }

@@ -31,7 +31,7 @@
 
 #include "fast_exp.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -40,9 +40,14 @@ struct paged_kv {
     int64_t block_size, token_stride; /* token_stride: elements between consecutive slots */
 };
 
-/* 16 floats: one AVX-512 register, two AVX2 ones; the compiler picks what the machine has.
- * head_dim must be a multiple of VL (cpu_kernel.supports checks). */
+/* One vector register of floats: 16 with AVX-512, 8 with AVX2 (a 16-float vector there lives on
+ * the stack, and a tile of them spills: kernels ran at a thirtieth of the speed). head_dim must
+ * be a multiple of 16 (cpu_kernel.supports checks). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define VL 8
+#else
 #define VL 16
+#endif
 typedef float vec __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
 
@@ -85,12 +90,23 @@ static inline float bf16_to_float(uint16_t half)
 }
 
 /* Sum of the lanes, as a tree (a running scalar sum would be a chain of 16 dependent adds). */
+#if VL == 16
+#define HALVES(v, op)                                                                              \
+    v = op(v, __builtin_shuffle(v, (ivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));   \
+    v = op(v, __builtin_shuffle(v, (ivec){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15}));   \
+    v = op(v, __builtin_shuffle(v, (ivec){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}));   \
+    v = op(v, __builtin_shuffle(v, (ivec){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}))
+#else
+#define HALVES(v, op)                                                                              \
+    v = op(v, __builtin_shuffle(v, (ivec){4, 5, 6, 7, 0, 1, 2, 3}));                               \
+    v = op(v, __builtin_shuffle(v, (ivec){2, 3, 0, 1, 4, 5, 6, 7}));                               \
+    v = op(v, __builtin_shuffle(v, (ivec){1, 0, 2, 3, 4, 5, 6, 7}))
+#endif
+static inline vec vadd(vec a, vec b) { return a + b; }
+
 static inline float hsum(vec v)
 {
-    v += __builtin_shuffle(v, (ivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (ivec){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
-    v += __builtin_shuffle(v, (ivec){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
-    v += __builtin_shuffle(v, (ivec){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
+    HALVES(v, vadd);
     return v[0];
 }
 

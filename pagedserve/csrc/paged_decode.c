@@ -116,6 +116,17 @@ static inline void store_scores16(const __m512 part[16], float scale, __mmask16 
     *m = top > *m ? top : *m;
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The lane sums of 8 vectors at once: lane t of the result is the sum of v[t]'s lanes (pairs, then
+ * fours within each 128-bit half, then the halves); 7 horizontal adds and permutes where 8 hsums
+ * take 24 and leave 8 scalars. */
+static inline __m256 hsum8(const __m256 v[8])
+{
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3); /* v0-3 | v4-7, per half */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
 #endif
 
 /* Attention of one request's query heads qh [num_heads, head_dim] over its keys first..len-1,
@@ -168,6 +179,31 @@ static inline __attribute__((always_inline)) void attend_request(
                 store_scores16(part, scale, valid, scores + h * max_len + b * bs + c0, &maxima[h]);
             }
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        /* 8 keys at a time, their dot products summed by hsum8 */
+        struct prefetcher pf = prefetch_spread(AHEAD(b - first_block), block_bytes, num_heads * ((t1 - t0 + 7) / 8));
+        for (int64_t c0 = t0; c0 < t1; c0 += 8) {
+            const int nt = t1 - c0 < 8 ? (int)(t1 - c0) : 8;
+            for (int64_t h = 0; h < num_heads; h++) {
+                prefetch_step(&pf);
+                const float *qv = qh + h * head_dim, *kh = kb + c0 * stride + (h / group) * head_dim;
+                __m256 part[8];
+                for (int t = 0; t < 8; t++) {
+                    __m256 dot = _mm256_setzero_ps();
+                    if (t < nt)
+                        for (int64_t i = 0; i < head_dim; i += 8)
+                            dot = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kh + t * stride + i), dot);
+                    part[t] = dot;
+                }
+                float s8[8], *sh = scores + h * max_len + b * bs + c0, m = maxima[h];
+                _mm256_storeu_ps(s8, _mm256_mul_ps(hsum8(part), _mm256_set1_ps(scale)));
+                for (int t = 0; t < nt; t++) {
+                    sh[t] = s8[t];
+                    m = s8[t] > m ? s8[t] : m;
+                }
+                maxima[h] = m;
+            }
+        }
 #else
         struct prefetcher pf = prefetch_spread(AHEAD(b - first_block), block_bytes, num_heads * (t1 - t0));
         for (int64_t h = 0; h < num_heads; h++) {
@@ -201,10 +237,24 @@ static inline __attribute__((always_inline)) void attend_request(
         struct prefetcher pf =
             prefetch_spread(AHEAD(num_blocks + b - first_block), block_bytes, num_heads * (t1 - t0));
         for (int64_t h = 0; h < num_heads; h++) {
+            const float *vh = vb + (h / group) * head_dim, *ph = scores + h * max_len + b * bs;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+            /* in 8-lane registers: gcc keeps a 16-float `vec` on the stack without AVX-512 */
+            __m256 a[head_dim / 8];
+            for (int64_t i = 0; i < head_dim / 8; i++)
+                a[i] = _mm256_loadu_ps(acc + h * head_dim + i * 8);
+            for (int64_t t = t0; t < t1; t++) {
+                prefetch_step(&pf);
+                const __m256 p = _mm256_set1_ps(ph[t]);
+                for (int64_t i = 0; i < head_dim / 8; i++)
+                    a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + t * stride + i * 8), a[i]);
+            }
+            for (int64_t i = 0; i < head_dim / 8; i++)
+                _mm256_storeu_ps(acc + h * head_dim + i * 8, a[i]);
+#else
             vec a[nv];
             for (int64_t i = 0; i < nv; i++)
                 a[i] = load(acc + h * head_dim + i * VL);
-            const float *vh = vb + (h / group) * head_dim, *ph = scores + h * max_len + b * bs;
             for (int64_t t = t0; t < t1; t++) {
                 prefetch_step(&pf);
                 for (int64_t i = 0; i < nv; i++)
@@ -212,6 +262,7 @@ static inline __attribute__((always_inline)) void attend_request(
             }
             for (int64_t i = 0; i < nv; i++)
                 store(acc + h * head_dim + i * VL, a[i]);
+#endif
         }
     }
 #undef AHEAD

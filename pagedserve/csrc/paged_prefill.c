@@ -17,7 +17,7 @@
 #define KV_ 4         /* vectors of keys per tile */
 #define KT (KV_ * VL) /* keys per tile */
 #define QT 32         /* new tokens per work item */
-#define RB 6          /* rows per register block: RB x KV_ score vectors, RB x OV output vectors */
+#define RB (VL == 16 ? 6 : 4) /* rows per register block: RB x KV_ score vectors, RB x OV output vectors */
 #define OV 4          /* output vectors per pass over a tile's V rows */
 
 /* Keys j0..j0+KT-1 of KV head kvh, read through the block table: K transposed into kt[d * KT + t],
@@ -89,10 +89,7 @@ static inline vec exp2_nonpositive(vec x)
 /* The largest lane, as a tree. */
 static inline float hmax(vec v)
 {
-    v = vmax(v, __builtin_shuffle(v, (ivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    v = vmax(v, __builtin_shuffle(v, (ivec){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15}));
-    v = vmax(v, __builtin_shuffle(v, (ivec){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}));
-    v = vmax(v, __builtin_shuffle(v, (ivec){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}));
+    HALVES(v, vmax);
     return v[0];
 }
 

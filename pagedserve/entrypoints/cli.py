@@ -447,7 +447,8 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS  # plain Python: --help stays quick
+    from pagedserve.bench.workload import WORKLOADS  # plain Python: --help stays quick
+    from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -561,8 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.set_defaults(func=cmd_bench_memory)
 
     thr = bench.add_parser("throughput", help="pagedserve vs other systems on one workload, as ratios")
-    thr.add_argument("--workload", default="sharegpt-like",
-                     choices=["sharegpt-like", "long-prompt", "shared-prefix", "parallel-sampling"])
+    thr.add_argument("--workload", default="sharegpt-like", choices=list(WORKLOADS))
     thr.add_argument("--systems", default="pagedserve,hf-static,hf-cb,vllm,llamacpp")
     thr.add_argument("--num-requests", type=int, default=64)
     thr.add_argument("--seed", type=int, default=0)
@@ -576,12 +576,13 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--tensor-parallel-size", type=positive(int), default=1,
                      help="also run pagedserve split over this many processes, beside TP=1 on the same threads")
     thr.add_argument("--device", default="cpu", help="where pagedserve and transformers run (cpu or cuda)")
-    thr.add_argument("--model", default=None, help="an HF directory for pagedserve and transformers (default: "
-                     "embedded; vLLM and llama.cpp always run the embedded model)")
+    thr.add_argument("--model", default=None, help="an HF directory for pagedserve, transformers and vLLM (default: "
+                     "embedded; llama.cpp always runs the embedded model)")
     thr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="pagedserve's and transformers' (auto: float32 on CPU, bfloat16 on CUDA)")
     thr.add_argument("--vllm-python", default=None, help="a Python with vllm installed (its own venv)")
-    thr.add_argument("--hf-model-dir", default=None, help="the model as an HF directory for vLLM (pagedserve export-hf)")
+    thr.add_argument("--hf-model-dir", default=None,
+                     help="the model as an HF directory for vLLM (default: --model; the embedded model: pagedserve export-hf)")
     thr.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python installed")
     thr.add_argument("--out-dir", default="docs")
     thr.add_argument("--json", default=None)

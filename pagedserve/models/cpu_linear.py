@@ -1,9 +1,12 @@
 """Matmuls of a few rows on CPU (csrc/linear.c): the linears of decode steps.
 
 `layers.linear` sends x @ W.T here when x has at most MAX_ROWS rows, and to oneDNN's packed GEMM
-above that, where oneDNN is faster. The weight is read through its own copy in the kernel's panel
-layout (`pack`), made once per weight. Float32 needs AVX-512; bfloat16 also AVX-512 BF16 and an
-even number of input features. `supports` says whether a matmul can take this path.
+above that, where oneDNN is faster; every row count where oneDNN has no fast path for the dtype
+(bfloat16 on a CPU without bfloat16 instructions, where torch's fallback is several times slower
+than this kernel). The weight is read through its own copy in the kernel's panel layout (`pack`),
+made once per weight. The kernel needs AVX-512 or AVX2 with FMA; bfloat16 also an even number of
+input features, and on AVX-512 its BF16 dot products (on AVX2 the weights widen to float32 in
+registers). `supports` says whether a matmul can take this path.
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ def _dtype_supported(dtype: torch.dtype) -> bool:
     return lib is not None and dtype in _DTYPES and bool(lib.linear_supports(_DTYPES[dtype]))
 
 
-def supports(x: Tensor, weight: Tensor) -> bool:
+def supports(x: Tensor, weight: Tensor, max_rows: int | None = MAX_ROWS) -> bool:
+    """Whether x @ weight.T can run here; max_rows None: at any number of rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.device.type == "cpu" and x.dtype == weight.dtype and 0 < rows <= MAX_ROWS
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and 0 < rows <= (max_rows or rows)
             and x.shape[-1] == weight.shape[1] and (x.dtype == torch.float32 or weight.shape[1] % 2 == 0)
             and _dtype_supported(x.dtype))
 

@@ -140,14 +140,16 @@ class PackedWeight:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight) -> Tensor:
     """x @ weight.T + bias. On CPU, a few rows (decode) go through csrc/linear.c, which streams
     the weights once per call: at 16 rows 1.56x (bfloat16) and 1.41x (float32) the speed of
-    oneDNN's GEMM on the 2-core test machine (docs/benchmarks.md). More rows go through oneDNN with
+    oneDNN's GEMM on an AVX-512 test machine (docs/benchmarks.md). More rows go through oneDNN with
     the weight kept in its blocked layout, in float32 and where the CPU has bf16 instructions also
     in bfloat16: 1.1x (large batches) to 2x (a few tokens) the speed of torch's default CPU matmul
-    in float32, 1.2x at 64 rows in bfloat16. Same arithmetic up to rounding; each path costs a
-    copy of the weights it reads, made on first use."""
-    if cpu_linear.supports(x, weight):
+    in float32, 1.2x at 64 rows in bfloat16. Where oneDNN cannot pack the dtype (bfloat16 without
+    those instructions) csrc/linear.c takes every row count. Same arithmetic up to rounding; each
+    path costs a copy of the weights it reads, made on first use."""
+    onednn = x.device.type == "cpu" and x.dtype == weight.dtype and _onednn_packs(x.dtype)
+    if cpu_linear.supports(x, weight, cpu_linear.MAX_ROWS if onednn else None):
         return cpu_linear.linear(x, packed.panels(weight), weight.shape[0], bias)
-    if x.device.type == "cpu" and x.dtype == weight.dtype and _onednn_packs(x.dtype):
+    if onednn:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
 

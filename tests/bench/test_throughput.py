@@ -2,6 +2,7 @@
 tokens and the table reports ratios to pagedserve. (No timing is asserted.)"""
 
 import json
+import os
 
 import pytest
 
@@ -82,7 +83,14 @@ def test_vllm_runs_in_the_dtype_pagedserve_runs_in(tmp_path):
     results = run_throughput_bench(workload, ["vllm"], reps=1, vllm_python=str(fake_python), dtype="bfloat16",
                                    log=lambda *_: None)
     assert [r.skipped for r in results] == [None, None]  # default threads, and every core
-    assert json.loads((tmp_path / "spec.json").read_text())["dtype"] == "bfloat16"
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    assert spec["dtype"] == "bfloat16" and spec["model"] == ""  # no directory given: the driver is told none
+
+    # vllm-all-cores: only the run on every core; vLLM reads the bench's --model when no HF copy is named.
+    results = run_throughput_bench(workload, ["vllm-all-cores"], reps=1, vllm_python=str(fake_python),
+                                   model="/models/llama", log=lambda *_: None)
+    assert [r.system for r in results] == [f"vllm ({os.cpu_count()} threads)"] and not results[0].skipped
+    assert json.loads((tmp_path / "spec.json").read_text())["model"] == "/models/llama"
 
 
 def test_the_table_reports_startup_and_greedy_agreement():

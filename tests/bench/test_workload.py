@@ -22,7 +22,8 @@ def test_parallel_sampling_multiplies_outputs():
     w = parallel_sampling(4, n=4)
     assert all(r.n == 4 for r in w.requests)
     assert w.num_output_tokens == 4 * sum(r.output_len for r in w.requests)
-    assert set(WORKLOADS) == {"sharegpt-like", "long-prompt", "shared-prefix", "parallel-sampling"}
+    assert set(WORKLOADS) == {"sharegpt-like", "decode-heavy", "long-prompt", "long-outputs", "shared-prefix",
+                              "parallel-sampling"}
     assert w.to_json()["requests"][0]["n"] == 4
 
 
@@ -33,6 +34,27 @@ def test_long_prompt_lengths():
     assert WORKLOADS["long-prompt"] is long_prompt and workload.name == "long-prompt"
     assert all(512 <= len(r.prompt_token_ids) <= 2048 and 32 <= r.output_len <= 256 for r in workload.requests)
     assert workload.requests == long_prompt(num_requests=40, seed=1).requests
+
+
+def test_decode_heavy_has_sharegpt_like_prompts_and_longer_outputs():
+    from pagedserve.bench.workload import decode_heavy
+
+    chat, heavy = sharegpt_like(64), decode_heavy(64)
+    assert WORKLOADS["decode-heavy"] is decode_heavy and heavy.name == "decode-heavy"
+    assert all(16 <= len(r.prompt_token_ids) <= 512 and 64 <= r.output_len <= 256 for r in heavy.requests)
+    assert heavy.num_output_tokens > 1.5 * chat.num_output_tokens
+    assert heavy.num_output_tokens > 0.7 * heavy.num_prompt_tokens
+    assert heavy == decode_heavy(64) and heavy != decode_heavy(64, seed=1)
+
+
+def test_long_outputs_are_all_decode():
+    from pagedserve.bench.workload import long_outputs
+
+    w = long_outputs(10, prompt_len=16, output_len=256)
+    assert WORKLOADS["long-outputs"] is long_outputs and w.name == "long-outputs"
+    assert [(len(r.prompt_token_ids), r.output_len) for r in w.requests] == [(16, 256)] * 10
+    assert len({tuple(r.prompt_token_ids) for r in w.requests}) == 10  # no shared prefix to cache
+    assert w == long_outputs(10) and w != long_outputs(10, seed=1)
 
 
 def test_system_prompts_are_each_behind_equally_many_requests_with_their_own_suffixes_in_random_order():

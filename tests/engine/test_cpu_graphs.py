@@ -55,9 +55,10 @@ def expected_recordable(arch: str, dtype: torch.dtype) -> bool:
 
 
 # A replay is a recording of C calls, so it exists only where every matmul has its C kernel
-# (csrc/linear.c, AVX-512); elsewhere `build` refuses to record, as the tests above and below check.
+# (csrc/linear.c: AVX-512, or AVX2 with FMA); elsewhere `build` refuses to record, as the tests above
+# and below check.
 needs_replays = pytest.mark.skipif(not expected_recordable("llama", torch.float32),
-                                   reason="this CPU has no C float32 matmul (csrc/linear.c needs AVX-512): no replays")
+                                   reason="this CPU has no C float32 matmul (csrc/linear.c needs AVX-512 or AVX2): no replays")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

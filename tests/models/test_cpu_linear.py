@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve import native
-from pagedserve.models import cpu_linear
+from pagedserve.models import cpu_linear, layers
 from pagedserve.models.layers import PackedWeight, linear
 
 
@@ -20,16 +20,24 @@ def cpu_flags() -> set[str]:
 
 
 DTYPES = [torch.float32, torch.bfloat16]
-NEEDS = {torch.float32: "avx512f", torch.bfloat16: "avx512_bf16"}
+
+
+def kernel_isa(dtype: torch.dtype) -> str | None:
+    """The instructions csrc/linear.c computes `dtype` with on this CPU: AVX-512 (bfloat16 only with
+    its BF16 dot products), else AVX2 with FMA (bfloat16 widened to float32), else none."""
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        return "avx512" if dtype == torch.float32 or "avx512_bf16" in flags else None
+    return "avx2" if {"avx2", "fma"} <= flags else None
 
 
 def require(dtype: torch.dtype) -> torch.dtype:
     """The kernel must run in every dtype this CPU has the instructions for (a build that silently
     fell back fails here, it does not skip)."""
-    has = NEEDS[dtype] in cpu_flags()
+    has = kernel_isa(dtype) is not None
     assert cpu_linear._dtype_supported(dtype) == has
     if not has:
-        pytest.skip(f"this CPU lacks {NEEDS[dtype]}")
+        pytest.skip(f"this CPU has no instructions csrc/linear.c uses for {dtype}")
     return dtype
 
 
@@ -85,8 +93,7 @@ def test_model_shapes_and_leading_dimensions(dtype):
 
 
 def test_bfloat16_products_are_summed_in_float32():
-    if "avx512_bf16" not in cpu_flags():
-        pytest.skip("this CPU lacks avx512_bf16")
+    require(torch.bfloat16)
     # 1 + 1 + ... in bfloat16 stops growing at 256 (its 8-bit mantissa); float32 sums reach 1000.
     x, w = torch.ones(3, 1000, dtype=torch.bfloat16), torch.ones(70, 1000, dtype=torch.bfloat16)
     assert torch.equal(cpu_linear.linear(x, cpu_linear.pack(w), 70), torch.full((3, 70), 1000.0, dtype=torch.bfloat16))
@@ -107,7 +114,7 @@ def test_what_it_takes_and_what_it_leaves_to_onednn(dtype):
     assert cpu_linear.supports(torch.randn(1, 9, dtype=dtype), odd) == (dtype == torch.float32)
 
 
-def test_linear_sends_few_rows_here_and_many_to_onednn(dtype, monkeypatch):
+def test_linear_sends_few_rows_here_and_many_to_onednn_where_it_packs_the_dtype(dtype, monkeypatch):
     calls = []
     real = cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -117,8 +124,12 @@ def test_linear_sends_few_rows_here_and_many_to_onednn(dtype, monkeypatch):
     for rows in (1, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1, 300):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         assert_close_to_reference(linear(x, w, bias, packed), x, w, bias)
-    assert calls == [1, cpu_linear.MAX_ROWS]
-    assert set(packed.copies) == {"panels", "onednn"}
+    if layers._onednn_packs(dtype):
+        assert calls == [1, cpu_linear.MAX_ROWS]
+        assert set(packed.copies) == {"panels", "onednn"}
+    else:  # torch's own matmul would be the alternative: several times slower here at any size
+        assert calls == [1, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1, 300]
+        assert set(packed.copies) == {"panels"}
 
 
 def test_a_written_weight_is_repacked(dtype):
@@ -133,8 +144,7 @@ def test_a_written_weight_is_repacked(dtype):
 def test_decode_with_and_without_it(embedded_model, monkeypatch):
     """Float32 decode steps (one new token per sequence, so every matmul takes this path) give the
     same greedy tokens as oneDNN's GEMM, with logits equal to rounding."""
-    if "avx512f" not in cpu_flags():
-        pytest.skip("this CPU lacks avx512f")
+    require(torch.float32)
     from pagedserve.attention import get_backend
     from pagedserve.attention.kv_cache import allocate_kv_cache
 

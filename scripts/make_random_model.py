@@ -1,0 +1,53 @@
+"""Write a Hugging Face model directory with random weights in the shape of a real model, and the
+embedded model's tokenizer, for benchmarks at the sizes CPU users run:
+
+    .venv/bin/python scripts/make_random_model.py /tmp/llama-1b            # Llama-3.2-1B's shape
+    .venv/bin/pagedserve bench throughput --model /tmp/llama-1b --dtype bfloat16 \\
+        --vllm-python /work/vllm-venv/bin/python --systems pagedserve,vllm
+
+The vocabulary is the tokenizer's (49,152 tokens), not the original's: every system reads token ids
+from the same tokenizer. Weights are drawn as transformers initialises a Llama (normal, std 0.02),
+from a fixed seed, so two runs write the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+# Layer shapes of the models the benchmarks stand in for.
+SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="the directory to write")
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=list(SHAPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedserve.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         **SHAPES[args.shape])
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+    model.save_pretrained(args.out, safe_serialization=True)
+    tokenizer.save_pretrained(args.out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.out}: {args.shape}, {params / 1e9:.2f}B parameters in {args.dtype}")
+
+
+if __name__ == "__main__":
+    main()
