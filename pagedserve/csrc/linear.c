@@ -1,4 +1,4 @@
-/* y = x @ W.T (+ bias) on CPU for a few rows of x: the matmuls of decode steps.
+/* y = x @ W.T (+ bias) on CPU, made for a few rows of x: the matmuls of decode steps.
  *
  * Decode multiplies a handful of rows by every weight of the model, so it is bound by streaming
  * the weights from memory. oneDNN's GEMM, made for many rows, streams them at about the memory's
@@ -12,10 +12,12 @@
  * the pairs and adds both products into float32). Either way a step consumes 4 bytes of each row
  * of x: a float, or a bfloat16 pair, broadcast to all 16 lanes. Sums are float32 in both.
  *
- * A tile of up to 6 rows x 64 columns of sums lives in 24 of the 32 vector registers through a
- * chunk of 64 steps (16 KB of panel, resident in L1 while each group of 6 rows passes over it),
- * and every pass prefetches the chunk after (past a panel's end too: a prefetch never faults).
- * Threads split the panels by halves.
+ * With AVX-512, a tile of up to 6 rows x 64 columns of sums lives in 24 of the 32 vector registers
+ * through a chunk of 64 steps (16 KB of panel, resident in L1 while each group of 6 rows passes
+ * over it), and every pass prefetches the chunk after (past a panel's end too: a prefetch never
+ * faults). With AVX2 (and FMA) the same walk runs in tiles of 6 rows x 16 columns (see there).
+ * Threads split the panels by halves. The same kernel serves prompts too where oneDNN has no fast
+ * bfloat16 (cpu_linear.py): on AVX2 it reaches about 90% of the float32 multiply rate from 32 rows.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -28,6 +30,19 @@
 #define ROWS_MAX 48       /* rows whose sums one thread holds per panel (48 x 64 floats, 12 KB) */
 
 enum { F32 = 0, BF16 = 1 };
+
+/* A tile function: sums (+)= a tile of rows of x times `steps` steps of a panel (or half panel),
+ * defined per instruction set below as TILE(NAME, rows, width, how); TILES makes one for each
+ * row count, by [whole panel or half][rows]. */
+typedef void (*tile_fn)(const char *x, int64_t ldx, const char *panel, int64_t steps, float *sums, int first);
+#define TILES(PREFIX, HOW)                                                                         \
+    TILE(PREFIX##_1, 1, 4, HOW) TILE(PREFIX##_2, 2, 4, HOW) TILE(PREFIX##_3, 3, 4, HOW)            \
+    TILE(PREFIX##_4, 4, 4, HOW) TILE(PREFIX##_5, 5, 4, HOW) TILE(PREFIX##_6, 6, 4, HOW)            \
+    TILE(PREFIX##_h1, 1, 2, HOW) TILE(PREFIX##_h2, 2, 2, HOW) TILE(PREFIX##_h3, 3, 2, HOW)         \
+    TILE(PREFIX##_h4, 4, 2, HOW) TILE(PREFIX##_h5, 5, 2, HOW) TILE(PREFIX##_h6, 6, 2, HOW)         \
+    static const tile_fn PREFIX##_TILES[2][ROWS + 1] = {                                           \
+        {0, PREFIX##_1, PREFIX##_2, PREFIX##_3, PREFIX##_4, PREFIX##_5, PREFIX##_6},               \
+        {0, PREFIX##_h1, PREFIX##_h2, PREFIX##_h3, PREFIX##_h4, PREFIX##_h5, PREFIX##_h6}};
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -68,18 +83,6 @@ static inline __m512i broadcast_word(const char *p) {
             for (int j = 0; j < NV; j++)                                                           \
                 _mm512_storeu_ps(sums + r * PANEL + 16 * j, acc[r][j]);                            \
     }
-
-typedef void (*tile_fn)(const char *, int64_t, const char *, int64_t, float *, int);
-
-/* Tiles by [whole panel or half][rows]. */
-#define TILES(PREFIX, MULADD)                                                                      \
-    TILE(PREFIX##_1, 1, 4, MULADD) TILE(PREFIX##_2, 2, 4, MULADD) TILE(PREFIX##_3, 3, 4, MULADD)   \
-    TILE(PREFIX##_4, 4, 4, MULADD) TILE(PREFIX##_5, 5, 4, MULADD) TILE(PREFIX##_6, 6, 4, MULADD)   \
-    TILE(PREFIX##_h1, 1, 2, MULADD) TILE(PREFIX##_h2, 2, 2, MULADD) TILE(PREFIX##_h3, 3, 2, MULADD) \
-    TILE(PREFIX##_h4, 4, 2, MULADD) TILE(PREFIX##_h5, 5, 2, MULADD) TILE(PREFIX##_h6, 6, 2, MULADD) \
-    static const tile_fn PREFIX##_TILES[2][ROWS + 1] = {                                           \
-        {0, PREFIX##_1, PREFIX##_2, PREFIX##_3, PREFIX##_4, PREFIX##_5, PREFIX##_6},               \
-        {0, PREFIX##_h1, PREFIX##_h2, PREFIX##_h3, PREFIX##_h4, PREFIX##_h5, PREFIX##_h6}};
 
 TILES(f32, FMA_F32)
 #if defined(__AVX512BF16__)
@@ -176,18 +179,6 @@ int linear_supports(int dtype) {
                     _mm256_storeu_ps(s + r * PANEL + 8 * j, acc[r][j]);                            \
         }                                                                                          \
     }
-
-typedef void (*tile_fn)(const char *, int64_t, const char *, int64_t, float *, int);
-
-/* Tiles by [whole panel (4 groups) or half (2)][rows]. */
-#define TILES(PREFIX, BF16)                                                                        \
-    TILE(PREFIX##_1, 1, 4, BF16) TILE(PREFIX##_2, 2, 4, BF16) TILE(PREFIX##_3, 3, 4, BF16)         \
-    TILE(PREFIX##_4, 4, 4, BF16) TILE(PREFIX##_5, 5, 4, BF16) TILE(PREFIX##_6, 6, 4, BF16)         \
-    TILE(PREFIX##_h1, 1, 2, BF16) TILE(PREFIX##_h2, 2, 2, BF16) TILE(PREFIX##_h3, 3, 2, BF16)      \
-    TILE(PREFIX##_h4, 4, 2, BF16) TILE(PREFIX##_h5, 5, 2, BF16) TILE(PREFIX##_h6, 6, 2, BF16)      \
-    static const tile_fn PREFIX##_TILES[2][ROWS + 1] = {                                           \
-        {0, PREFIX##_1, PREFIX##_2, PREFIX##_3, PREFIX##_4, PREFIX##_5, PREFIX##_6},               \
-        {0, PREFIX##_h1, PREFIX##_h2, PREFIX##_h3, PREFIX##_h4, PREFIX##_h5, PREFIX##_h6}};
 
 TILES(f32, 0)
 TILES(bf16, 1)
