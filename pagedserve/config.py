@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXECUTOR_BACKENDS = ("auto", "mp", "external")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -31,6 +32,10 @@ class EngineConfig:
     model: str | None = _setting(None, "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     dtype: str = _setting("auto", "weights' and activations' dtype; auto: float32 on CPU, bfloat16 on CUDA", DTYPES)
     device: str = _setting("auto", "cpu, cuda, cuda:N; auto: cuda when available, else cpu")
+    quantization: str = _setting(
+        "auto", "weight format: auto (a GGUF's quantized tensors run as stored, other checkpoints in --dtype), none "
+        "(every weight dequantized to --dtype: the exact reference), int8 / int4 (quantize a float checkpoint's "
+        "linear weights at load: int8 per output channel, int4 per group of 32)", QUANTIZATIONS)
     block_size: int = _setting(16, "tokens per KV block")
     num_kv_blocks: int | None = _setting(None, "KV blocks in the pool (overrides --kv-cache-memory-bytes)")
     kv_cache_memory_bytes: int | None = _setting(
@@ -76,6 +81,8 @@ class EngineConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype = resolve_dtype(self.dtype, self.device)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 < self.gpu_memory_utilization <= 1:
