@@ -42,6 +42,7 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-f
 SOURCES = {
     "paged_attention": FLAGS,
     "linear": FLAGS,
+    "quant_linear": FLAGS,
     "replay": FLAGS,
     "fused_ops": [f for f in FLAGS if not f.startswith("-ffp-contract")] + ["-ffp-contract=off"],
 }

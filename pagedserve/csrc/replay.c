@@ -2,7 +2,7 @@
  * with the arguments they were recorded with, except the row count (the step's number of
  * requests), which each replay sets. One call from Python runs the whole forward, where the eager
  * forward makes ~400 calls through ctypes and torch (pagedserve/engine/cpu_graphs.py says why and
- * records the calls; pagedserve/kernel_tape.py lists the kernels and their arguments).
+ * records the calls; its KINDS lists the kernels this file runs).
  *
  * A call's integer and pointer arguments are in `ints`, its float ones in `floats`, each in the
  * order of the kernel's parameters; `fn` is the kernel, from the library that defines it.
@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY, DECODE_ATTENTION, GATHER_ROWS, SCATTER_ROWS };
+enum { LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY, DECODE_ATTENTION, GATHER_ROWS, SCATTER_ROWS, QUANT_LINEAR, QUANT_ROWS };
 #define MAX_INTS 18
 #define MAX_FLOATS 3
 
@@ -30,6 +30,10 @@ typedef int decode_attention_fn(const void *, const void *, const void *, void *
                                 int64_t, int, int, float, float, int);
 typedef int gather_rows_fn(const void *, int64_t, const int64_t *, void *, int64_t, int64_t, int);
 typedef int scatter_rows_fn(const void *, int64_t, const int64_t *, void *, int64_t, int64_t, int64_t, int);
+typedef void quant_linear_fn(const void *, int64_t, int64_t, const void *, int64_t, void *, int64_t, int, int, int, int,
+                             int, int);
+typedef int quant_rows_fn(const void *, int64_t, int64_t, const int64_t *, int64_t, void *, int, int, int, int, int,
+                          int);
 
 #define P(i) ((void *)a[i])
 
@@ -67,6 +71,15 @@ int64_t replay(const call_t *calls, int64_t count, int64_t rows)
             break;
         case SCATTER_ROWS:
             if (((scatter_rows_fn *)call->fn)(P(0), a[1], P(2), P(3), a[4], a[5], a[6], (int)a[7]) != 0)
+                return c + 1;
+            break;
+        case QUANT_LINEAR:
+            ((quant_linear_fn *)call->fn)(P(0), a[1], a[2], P(3), a[4], P(5), a[6], (int)a[7], (int)a[8], (int)a[9],
+                                          (int)a[10], (int)a[11], (int)a[12]);
+            break;
+        case QUANT_ROWS:
+            if (((quant_rows_fn *)call->fn)(P(0), a[1], a[2], P(3), a[4], P(5), (int)a[6], (int)a[7], (int)a[8],
+                                            (int)a[9], (int)a[10], (int)a[11]) != 0)
                 return c + 1;
             break;
         default:

@@ -93,7 +93,7 @@ def build_runner(config, tp: TPGroup, local_rank: int):
     from pagedserve.models.loader import load_model
 
     config = dataclasses.replace(config, device=rank_device(config.device, local_rank))
-    model, model_config = load_model(config.model, config.torch_dtype, config.device, tp)
+    model, model_config = load_model(config.model, config.torch_dtype, config.device, tp, config.quantization)
     return ModelRunner(model, model_config, config)
 
 

@@ -39,7 +39,8 @@ from pagedserve.attention.metadata import AttentionMetadata
 # The kernels a recording may hold: name -> (csrc/replay.c's kind, which integer argument is the
 # row count). A call's arguments split into integers (pointers included) and floats, each in order.
 KINDS = {"linear": (0, 1), "rms_norm": (1, 4), "silu_and_mul": (2, 2), "rotary": (3, 3),
-         "paged_decode_attention": (4, 7), "gather_rows": (5, 4), "scatter_rows": (6, 5)}
+         "paged_decode_attention": (4, 7), "gather_rows": (5, 4), "scatter_rows": (6, 5), "quant_linear": (7, 1),
+         "quant_rows": (8, 4)}
 MAX_INTS, MAX_FLOATS = 18, 3
 ALIGN = 64  # bytes: each intermediate's place in the arena, as torch aligns its allocations
 

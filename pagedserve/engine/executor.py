@@ -70,7 +70,8 @@ class UniProcExecutor:
     def __init__(self, config: EngineConfig, model=None) -> None:
         from pagedserve.models.loader import load_model
 
-        module, self.model_config = model or load_model(config.model, config.torch_dtype, config.device)
+        module, self.model_config = model or load_model(config.model, config.torch_dtype, config.device,
+                                                        quantization=config.quantization)
         self.runner = ModelRunner(module, self.model_config, config)
 
     def measure_kv_budget(self, max_model_len: int) -> int:

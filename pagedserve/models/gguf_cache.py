@@ -1,4 +1,5 @@
-"""What a GGUF file costs to read, paid once: its config, tokenizer and dequantized weights on disk.
+"""What a GGUF file costs to read, paid once: its config, tokenizer and dequantized weights on disk
+(and, for a GGUF or a float checkpoint's folder, its weights packed for the quantized kernels).
 
 Reading a GGUF through transformers parses the file's metadata three times (config, tokenizer,
 weights) and dequantizes every tensor: about 13 s for the embedded 98 MB SmolLM2 on a slow sitting
@@ -50,12 +51,22 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _digest(path: str) -> str:
+    stat = os.stat(path)
+    return _file_digest(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
 def entry_key(gguf_path: str) -> str:
-    """What an entry's content depends on: the GGUF's bytes, the format, the converters' versions."""
+    """What an entry's content depends on: the GGUF's bytes (or a model directory's config and
+    weight files'), the format, the converters' versions."""
     from importlib.metadata import version
 
-    stat = os.stat(gguf_path)
-    digest = _file_digest(os.path.realpath(gguf_path), stat.st_size, stat.st_mtime_ns)
+    if os.path.isdir(gguf_path):
+        files = sorted(p for p in Path(gguf_path).iterdir()
+                       if p.name == "config.json" or p.name.endswith((".safetensors", ".safetensors.index.json")))
+        digest = hashlib.sha256("".join(f"{p.name}:{_digest(str(p))}/" for p in files).encode()).hexdigest()
+    else:
+        digest = _digest(gguf_path)
     versions = f"v{FORMAT_VERSION}-transformers{version('transformers')}-gguf{version('gguf')}"
     return hashlib.sha256(f"{digest}/{versions}".encode()).hexdigest()[:32]
 

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models import cpu_linear, fused_cpu
+from pagedserve.models.quantized import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -162,13 +163,22 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear` (csrc/linear.c or oneDNN on CPU in float32 and bfloat16)."""
+    """nn.Linear through `linear` (csrc/linear.c or oneDNN on CPU in float32 and bfloat16), or
+    through its quantized weight where the loader gave it one (`quantize`: then `weight` is None)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.packed = PackedWeight()
+        self.quantized: QuantizedWeight | None = None
+
+    def quantize(self, weight: QuantizedWeight) -> None:
+        """Hold `weight` instead of the dense parameter."""
+        self.register_parameter("weight", None)
+        self.quantized = weight
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.quantized is not None:
+            return self.quantized.linear(x, self.bias)
         return linear(x, self.weight, self.bias, self.packed)
 
 
@@ -184,7 +194,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
+        partial = self.quantized.linear(x) if self.quantized is not None else linear(x, self.weight, None, self.packed)
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -196,8 +207,17 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, dim))
         self.start, self.tp = start, tp
+        self.quantized: QuantizedWeight | None = None
+
+    def quantize(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        """Hold `weight` instead of the dense table: rows are dequantized (to `dtype`) as they are
+        looked up."""
+        self.register_parameter("weight", None)
+        self.quantized, self.dtype = weight, dtype
 
     def forward(self, ids: Tensor) -> Tensor:
+        if self.quantized is not None:
+            return self._quantized_rows(ids)
         if self.tp.size == 1:
             if fused_cpu.available(self.weight) and ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous():
                 return fused_cpu.gather_rows(self.weight, ids)  # one C call (csrc/fused_ops.c)
@@ -205,6 +225,14 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def _quantized_rows(self, ids: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return self.quantized.rows(ids, self.dtype)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.quantized.shape[0])
+        out = self.quantized.rows(local.masked_fill(outside, 0), self.dtype)
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 

@@ -121,20 +121,27 @@ class DecoderForCausalLM(nn.Module):
         self.head_packed = PackedWeight()
 
     @classmethod
-    def empty(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-              tp: TPGroup | None = None) -> DecoderForCausalLM:
-        """Allocate without initialising weights (the loader overwrites every one of them, except
-        the vocabulary's padding rows under tensor parallelism, zeroed here)."""
+    def meta(cls, config: ModelConfig, tp: TPGroup | None = None) -> DecoderForCausalLM:
+        """The model without memory: its structure and `checkpoint_targets`."""
         with torch.device("meta"):
-            model = cls(config, tp)
+            return cls(config, tp)
+
+    @classmethod
+    def empty(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+              tp: TPGroup | None = None, model: DecoderForCausalLM | None = None) -> DecoderForCausalLM:
+        """Allocate without initialising weights (the loader overwrites every one of them, except
+        the vocabulary's padding rows under tensor parallelism, zeroed here). Given `model` (from
+        `meta`), allocate its parameters: those the loader already replaced with quantized weights
+        are gone and take no memory."""
+        model = model or cls.meta(config, tp)
         # Module.to_empty's empty_like of a meta tensor goes through torch's Python references,
         # which take half a second to set up on first use: a start pays it. torch.empty does not.
-        model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
-                                                   device=device))
+        model = model._apply(lambda t: t if t.device.type != "meta" else
+                             torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
         model.model.rotary_emb.build(device)  # a buffer, not a weight: compute it for real
         if model.shard.real_vocab_rows(config.vocab_size) < model.shard.vocab_rows:
             for head in (model.model.embed_tokens, model.lm_head):
-                if head is not None:
+                if head is not None and head.weight is not None:
                     head.weight.detach().zero_()
         return model
 
@@ -153,8 +160,11 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """Logits [rows, vocab_size]. Under tensor parallelism each rank computes its slice of the
         vocabulary and rank 0 gathers them; the other ranks get None."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_columns(linear(hidden, weight, None, self.head_packed))
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if head.quantized is not None:
+            logits = self.tp.gather_columns(head.quantized.linear(hidden))
+        else:
+            logits = self.tp.gather_columns(linear(hidden, head.weight, None, self.head_packed))
         return logits if logits is None or self.tp.size == 1 else logits[:, : self.config.vocab_size]
 
     def checkpoint_targets(self) -> dict[str, Target]:

