@@ -11,10 +11,10 @@
  * Layout: output columns in panels of 16; a panel is a run of tiles, one per group, each
  *   [16 scales][16 mins, if any][group x the 16 columns' codes of one k]
  * with scales and mins float16 (where the format's values are float16, as Q4_1's) or float32 (the
- * K-quants, whose scales are products). One k's codes for 16 columns: 16 int8 (8 bits); two
- * little-endian 32-bit words of eight nibbles, column c at bits 4(c % 8) of word c / 8 (4 bits);
- * those 8 bytes and a 16-bit word of each column's fifth bit (5 bits) or a 32-bit word of its two
- * high bits at bits 2c (6 bits).
+ * K-quants, whose scales are products). One k's codes for 16 columns: 16 int8 (8 bits); 8 bytes,
+ * byte j holding column j in its low nibble and column j + 8 in its high one, so that one widening
+ * load and a mask or a shift give each half (4 bits); those 8 bytes and a 16-bit word of each
+ * column's fifth bit (5 bits) or a 32-bit word of its two high bits at bits 2c (6 bits).
  *
  * Few rows (decode): each weight is dequantized in registers once per tile of up to 4 rows of x,
  * so a step reads every weight byte once. More rows: a thread dequantizes a panel into a float32
@@ -79,7 +79,7 @@ static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2)
 /* Column c's code for one k (`p`: that k's codes). */
 static inline int code_at(const uint8_t *p, int bits, int c) {
     if (bits == 8) return (int8_t)p[c];
-    int q = (load_u32(p + 4 * (c / 8)) >> (4 * (c % 8))) & 15;
+    int q = (p[c % 8] >> (4 * (c / 8))) & 15;
     if (bits == 5) q |= ((load_u16(p + 8) >> c) & 1) << 4;
     if (bits == 6) q |= ((load_u32(p + 8) >> (2 * c)) & 3) << 4;
     return q;
@@ -120,22 +120,28 @@ static void dequantize_panel(const uint8_t *panel, int64_t groups, int bits, int
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-/* 8 columns' codes (columns 8h .. 8h+7) of one k as int32 lanes. */
-static inline __m256i codes8(const uint8_t *p, const int bits, const int h) {
-    if (bits == 8) return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
-    const __m256i nibble = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(p + 4 * h)), nibble),
-                                 _mm256_set1_epi32(15));
-    if (bits == 5) {
-        const __m256i bit = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(load_u16(p + 8) >> (8 * h)), bit);
-        q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(1)), 4));
-    } else if (bits == 6) {
-        const __m256i pair = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-        __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32((int)(load_u32(p + 8) >> (16 * h))), pair);
-        q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4));
+/* The 16 columns' codes of one k as int32 lanes: columns 0-7 in q[0], 8-15 in q[1]. */
+static inline void codes16(const uint8_t *p, const int bits, __m256i q[2]) {
+    if (bits == 8) {
+        q[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        q[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+        return;
     }
-    return q;
+    const __m256i both = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), low = _mm256_set1_epi32(15);
+    q[0] = _mm256_and_si256(both, low);
+    q[1] = _mm256_srli_epi32(both, 4);
+    if (bits == 5) {
+        const __m256i high = _mm256_set1_epi32(load_u16(p + 8)), one = _mm256_set1_epi32(1);
+        const __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at8 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+        q[0] = _mm256_or_si256(q[0], _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, at), one), 4));
+        q[1] = _mm256_or_si256(q[1], _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, at8), one), 4));
+    } else if (bits == 6) {
+        const __m256i high = _mm256_set1_epi32((int)load_u32(p + 8)), three = _mm256_set1_epi32(3);
+        const __m256i at = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        const __m256i at8 = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
+        q[0] = _mm256_or_si256(q[0], _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, at), three), 4));
+        q[1] = _mm256_or_si256(q[1], _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, at8), three), 4));
+    }
 }
 
 static inline void load_scales(const uint8_t *tile, const int scale_f16, const int has_min, __m256 s[2],
@@ -152,62 +158,144 @@ static inline void load_scales(const uint8_t *tile, const int scale_f16, const i
     }
 }
 
-/* w = q * scale (+ min) for 8 columns. */
-static inline __m256 weights8(const uint8_t *p, const int bits, const int h, __m256 s, __m256 m, const int has_min) {
-    __m256 q = _mm256_cvtepi32_ps(codes8(p, bits, h));
-    return has_min ? _mm256_fmadd_ps(q, s, m) : _mm256_mul_ps(q, s);
-}
-
-/* y[r][panel's columns] = x[r] . W for R rows, the weights dequantized in registers. */
-static inline __attribute__((always_inline)) void panel_in_registers(
-    const float *x, int64_t ldx, const uint8_t *panel, int64_t groups, const int bits, const int group,
-    const int scale_f16, const int has_min, const int R, float *sums) {
-    const int64_t tile = tile_bytes(bits, group, scale_f16, has_min), header = header_bytes(scale_f16, has_min);
-    const int cb = code_bytes(bits);
-    __m256 acc[REG_ROWS][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *t = panel + g * tile;
-        __m256 s[2], m[2];
-        load_scales(t, scale_f16, has_min, s, m);
-        const float *xg = x + g * group;
-        for (int i = 0; i < group; i++) {
-            const uint8_t *p = t + header + i * cb;
-            __m256 w0 = weights8(p, bits, 0, s[0], m[0], has_min), w1 = weights8(p, bits, 1, s[1], m[1], has_min);
-            for (int r = 0; r < R; r++) {
-                __m256 a = _mm256_broadcast_ss(xg + r * ldx + i);
-                acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(sums + r * COLS, acc[r][0]);
-        _mm256_storeu_ps(sums + r * COLS + 8, acc[r][1]);
+/* w = q * scale (+ min) for the 16 columns of one k: columns 0-7 in w[0], 8-15 in w[1]. */
+static inline void weights16(const uint8_t *p, const int bits, const __m256 s[2], const __m256 m[2], const int has_min,
+                             __m256 w[2]) {
+    __m256i q[2];
+    codes16(p, bits, q);
+    for (int h = 0; h < 2; h++) {
+        __m256 f = _mm256_cvtepi32_ps(q[h]);
+        w[h] = has_min ? _mm256_fmadd_ps(f, s[h], m[h]) : _mm256_mul_ps(f, s[h]);
     }
 }
 
-#define IN_REGISTERS(BITS, R)                                                                              \
-    static void in_registers_##BITS##_##R(const float *x, int64_t ldx, const uint8_t *panel, int64_t groups,  \
-                                          int group, int scale_f16, int has_min, float *sums) {           \
-        if (has_min)                                                                                       \
-            panel_in_registers(x, ldx, panel, groups, BITS, group, scale_f16, 1, R, sums);                 \
-        else                                                                                               \
-            panel_in_registers(x, ldx, panel, groups, BITS, group, scale_f16, 0, R, sums);                 \
-    }
-#define IN_REGISTERS_ROWS(BITS) IN_REGISTERS(BITS, 1) IN_REGISTERS(BITS, 2) IN_REGISTERS(BITS, 3) IN_REGISTERS(BITS, 4)
-IN_REGISTERS_ROWS(4)
-IN_REGISTERS_ROWS(5)
-IN_REGISTERS_ROWS(6)
-IN_REGISTERS_ROWS(8)
+/* Every output is summed in four chains, one per k mod 4 (each k ascending), added at the end as
+ * (S0 + S1) + (S2 + S3): one chain would wait on the multiply-add's latency at a row or two. Every
+ * path (the tiles below, the portable one) sums in exactly this order, so that a row's result does
+ * not depend on how many rows share the call. A tile that cannot hold all four chains in
+ * registers makes a pass per chain (or pair of chains) over its panel, which stays in cache. */
+#define CHAINS 4
 
-typedef void in_registers_fn(const float *, int64_t, const uint8_t *, int64_t, int, int, int, float *);
+/* Register tiles of up to 6 rows x 16 columns: named sums (c<row>0, c<row>1, and d, e, f for more
+ * chains of rows 0-1), since gcc keeps an array of sums on the stack through the loop. */
+#define SUMS_DECLARE                                                                                       \
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,   \
+           c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, d00 = c00, d01 = c00, d10 = c00,         \
+           d11 = c00, e00 = c00, e01 = c00, f00 = c00, f01 = c00;                                          \
+    (void)c10, (void)c11, (void)c20, (void)c21, (void)c30, (void)c31, (void)c40, (void)c41, (void)c50, (void)c51; \
+    (void)d00, (void)d01, (void)d10, (void)d11, (void)e00, (void)e01, (void)f00, (void)f01;
+#define ROW_FMA(R, c, r, X)                                                                                \
+    if (R > r) {                                                                                           \
+        __m256 a = _mm256_broadcast_ss(X);                                                                 \
+        c##r##0 = _mm256_fmadd_ps(a, w0, c##r##0);                                                         \
+        c##r##1 = _mm256_fmadd_ps(a, w1, c##r##1);                                                         \
+    }
+#define ROWS_FMA(R, c, x, ldx, i)                                                                          \
+    ROW_FMA(R, c, 0, x + (i)) ROW_FMA(R, c, 1, x + ldx + (i)) ROW_FMA(R, c, 2, x + 2 * ldx + (i))          \
+    ROW_FMA(R, c, 3, x + 3 * ldx + (i)) ROW_FMA(R, c, 4, x + 4 * ldx + (i)) ROW_FMA(R, c, 5, x + 5 * ldx + (i))
+#define ROW_STORE(R, c, r, sums)                                                                           \
+    if (R > r) {                                                                                           \
+        _mm256_storeu_ps((sums) + r * COLS, c##r##0);                                                      \
+        _mm256_storeu_ps((sums) + r * COLS + 8, c##r##1);                                                  \
+    }
+#define SUMS_STORE(R, c, sums)                                                                             \
+    ROW_STORE(R, c, 0, sums) ROW_STORE(R, c, 1, sums) ROW_STORE(R, c, 2, sums) ROW_STORE(R, c, 3, sums)   \
+    ROW_STORE(R, c, 4, sums) ROW_STORE(R, c, 5, sums)
+
+/* sums = (chain 0 + chain 1) + (chain 2 + chain 3), chain j at chains + j * stride. */
+static inline void add_chains(const float *chains, int64_t stride, int count, float *sums) {
+    for (int j = 0; j < count; j += 8) {
+        __m256 a = _mm256_add_ps(_mm256_loadu_ps(chains + j), _mm256_loadu_ps(chains + stride + j));
+        __m256 b = _mm256_add_ps(_mm256_loadu_ps(chains + 2 * stride + j), _mm256_loadu_ps(chains + 3 * stride + j));
+        _mm256_storeu_ps(sums + j, _mm256_add_ps(a, b));
+    }
+}
+
+/* The weights of k = i of the group's tile t into w0, w1. */
+#define DEQUANTIZE_K(BITS, MIN, i)                                                                         \
+    weights16(t + header + (i) * code_bytes(BITS), BITS, s, m, MIN, w);                                    \
+    w0 = w[0], w1 = w[1];
+#define PANEL_START(BITS, MIN)                                                                             \
+    const int64_t tile = tile_bytes(BITS, group, scale_f16, MIN), header = header_bytes(scale_f16, MIN);    \
+    (void)header;
+#define GROUP_START(MIN)                                                                                   \
+    const uint8_t *t = panel + g * tile;                                                                   \
+    const float *xg = x + g * group;                                                                       \
+    __m256 s[2], m[2], w[2], w0, w1;                                                                       \
+    load_scales(t, scale_f16, MIN, s, m);
+
+/* sums[r][16] = x[r] . W's panel for R rows, the weights dequantized in registers: one row holds
+ * its four chains in registers in one pass, two rows two chains per pass, more rows one. */
+#define IN_REGISTERS_1(BITS, MIN)                                                                           \
+    static void in_registers_##BITS##_1_##MIN(const float *x, int64_t ldx, const uint8_t *panel,              \
+                                             int64_t groups, int group, int scale_f16, float *sums) {        \
+        (void)ldx;                                                                                          \
+        PANEL_START(BITS, MIN)                                                                              \
+        SUMS_DECLARE                                                                                        \
+        for (int64_t g = 0; g < groups; g++) {                                                              \
+            GROUP_START(MIN)                                                                                \
+            for (int i = 0; i < group; i += CHAINS) {                                                       \
+                DEQUANTIZE_K(BITS, MIN, i) ROW_FMA(1, c, 0, xg + i)                                         \
+                DEQUANTIZE_K(BITS, MIN, i + 1) ROW_FMA(1, d, 0, xg + i + 1)                                 \
+                DEQUANTIZE_K(BITS, MIN, i + 2) ROW_FMA(1, e, 0, xg + i + 2)                                 \
+                DEQUANTIZE_K(BITS, MIN, i + 3) ROW_FMA(1, f, 0, xg + i + 3)                                 \
+            }                                                                                               \
+        }                                                                                                   \
+        c00 = _mm256_add_ps(_mm256_add_ps(c00, d00), _mm256_add_ps(e00, f00));                              \
+        c01 = _mm256_add_ps(_mm256_add_ps(c01, d01), _mm256_add_ps(e01, f01));                              \
+        SUMS_STORE(1, c, sums)                                                                              \
+    }
+#define IN_REGISTERS_2(BITS, MIN)                                                                           \
+    static void in_registers_##BITS##_2_##MIN(const float *x, int64_t ldx, const uint8_t *panel,              \
+                                             int64_t groups, int group, int scale_f16, float *sums) {        \
+        PANEL_START(BITS, MIN)                                                                              \
+        float chains[CHAINS][2 * COLS];                                                                     \
+        for (int chain = 0; chain < 2; chain++) { /* chains `chain` and `chain` + 2 */                      \
+            SUMS_DECLARE                                                                                    \
+            for (int64_t g = 0; g < groups; g++) {                                                          \
+                GROUP_START(MIN)                                                                            \
+                for (int i = chain; i < group; i += CHAINS) {                                               \
+                    DEQUANTIZE_K(BITS, MIN, i) ROW_FMA(2, c, 0, xg + i) ROW_FMA(2, c, 1, xg + ldx + i)      \
+                    DEQUANTIZE_K(BITS, MIN, i + 2) ROW_FMA(2, d, 0, xg + i + 2) ROW_FMA(2, d, 1, xg + ldx + i + 2) \
+                }                                                                                           \
+            }                                                                                               \
+            ROW_STORE(2, c, 0, chains[chain]) ROW_STORE(2, c, 1, chains[chain])                             \
+            ROW_STORE(2, d, 0, chains[chain + 2]) ROW_STORE(2, d, 1, chains[chain + 2])                     \
+        }                                                                                                   \
+        add_chains(chains[0], 2 * COLS, 2 * COLS, sums);                                                    \
+    }
+#define IN_REGISTERS_N(BITS, R, MIN)                                                                        \
+    static void in_registers_##BITS##_##R##_##MIN(const float *x, int64_t ldx, const uint8_t *panel,          \
+                                                 int64_t groups, int group, int scale_f16, float *sums) {    \
+        PANEL_START(BITS, MIN)                                                                              \
+        float chains[CHAINS][R * COLS];                                                                     \
+        for (int chain = 0; chain < CHAINS; chain++) {                                                      \
+            SUMS_DECLARE                                                                                    \
+            for (int64_t g = 0; g < groups; g++) {                                                          \
+                GROUP_START(MIN)                                                                            \
+                for (int i = chain; i < group; i += CHAINS) {                                               \
+                    DEQUANTIZE_K(BITS, MIN, i) ROWS_FMA(R, c, xg, ldx, i)                                   \
+                }                                                                                           \
+            }                                                                                               \
+            SUMS_STORE(R, c, chains[chain])                                                                 \
+        }                                                                                                   \
+        add_chains(chains[0], R * COLS, R * COLS, sums);                                                    \
+    }
+#define IN_REGISTERS_ROWS(BITS, MIN) \
+    IN_REGISTERS_1(BITS, MIN) IN_REGISTERS_2(BITS, MIN) IN_REGISTERS_N(BITS, 3, MIN) IN_REGISTERS_N(BITS, 4, MIN)
+IN_REGISTERS_ROWS(4, 1)
+IN_REGISTERS_ROWS(5, 1)
+IN_REGISTERS_ROWS(6, 1)
+IN_REGISTERS_ROWS(8, 0)
+
+/* 4-, 5- and 6-bit codes have mins, 8-bit ones none (models/quantized.py makes no other kinds). */
+typedef void in_registers_fn(const float *, int64_t, const uint8_t *, int64_t, int, int, float *);
 static in_registers_fn *in_registers(int bits, int rows) {
     static in_registers_fn *const table[4][REG_ROWS] = {
-        {in_registers_4_1, in_registers_4_2, in_registers_4_3, in_registers_4_4},
-        {in_registers_5_1, in_registers_5_2, in_registers_5_3, in_registers_5_4},
-        {in_registers_6_1, in_registers_6_2, in_registers_6_3, in_registers_6_4},
-        {in_registers_8_1, in_registers_8_2, in_registers_8_3, in_registers_8_4}};
+        {in_registers_4_1_1, in_registers_4_2_1, in_registers_4_3_1, in_registers_4_4_1},
+        {in_registers_5_1_1, in_registers_5_2_1, in_registers_5_3_1, in_registers_5_4_1},
+        {in_registers_6_1_1, in_registers_6_2_1, in_registers_6_3_1, in_registers_6_4_1},
+        {in_registers_8_1_0, in_registers_8_2_0, in_registers_8_3_0, in_registers_8_4_0}};
     return table[bits == 4 ? 0 : bits == 5 ? 1 : bits == 6 ? 2 : 3][rows - 1];
 }
 
@@ -222,8 +310,10 @@ static inline __attribute__((always_inline)) void dequantize_panel_bits(
         for (int i = 0; i < group; i++) {
             const uint8_t *p = t + header + i * cb;
             float *o = out + (g * group + i) * COLS;
-            _mm256_storeu_ps(o, weights8(p, bits, 0, s[0], m[0], has_min));
-            _mm256_storeu_ps(o + 8, weights8(p, bits, 1, s[1], m[1], has_min));
+            __m256 w[2];
+            weights16(p, bits, s, m, has_min, w);
+            _mm256_storeu_ps(o, w[0]);
+            _mm256_storeu_ps(o + 8, w[1]);
         }
     }
 }
@@ -240,27 +330,20 @@ static void dequantize_panel(const uint8_t *panel, int64_t groups, int bits, int
 #undef DEQUANTIZE
 }
 
-/* sums[r][16] = x[r] . panel for R <= 6 rows, from a dequantized panel [k][16]. */
-static inline __attribute__((always_inline)) void dense_tile(const float *x, int64_t ldx, const float *w, int64_t k,
-                                                             const int R, float *sums) {
-    __m256 acc[6][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i++) {
-        __m256 w0 = _mm256_loadu_ps(w + i * COLS), w1 = _mm256_loadu_ps(w + i * COLS + 8);
-        for (int r = 0; r < R; r++) {
-            __m256 a = _mm256_broadcast_ss(x + r * ldx + i);
-            acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
-        }
+/* sums[r][16] = x[r] . panel for R <= 6 rows, from a dequantized panel [k][16]: a pass per chain. */
+#define DENSE(R)                                                                                            \
+    static void dense_##R(const float *x, int64_t ldx, const float *w, int64_t k, float *sums) {            \
+        float chains[CHAINS][6 * COLS];                                                                     \
+        for (int chain = 0; chain < CHAINS; chain++) {                                                      \
+            SUMS_DECLARE                                                                                    \
+            for (int64_t i = chain; i < k; i += CHAINS) {                                                   \
+                __m256 w0 = _mm256_loadu_ps(w + i * COLS), w1 = _mm256_loadu_ps(w + i * COLS + 8);          \
+                ROWS_FMA(R, c, x, ldx, i)                                                                   \
+            }                                                                                               \
+            SUMS_STORE(R, c, chains[chain])                                                                 \
+        }                                                                                                   \
+        add_chains(chains[0], 6 * COLS, R * COLS, sums);                                                    \
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(sums + r * COLS, acc[r][0]);
-        _mm256_storeu_ps(sums + r * COLS + 8, acc[r][1]);
-    }
-}
-
-#define DENSE(R) \
-    static void dense_##R(const float *x, int64_t ldx, const float *w, int64_t k, float *s) { dense_tile(x, ldx, w, k, R, s); }
 DENSE(1) DENSE(2) DENSE(3) DENSE(4) DENSE(5) DENSE(6)
 typedef void dense_fn(const float *, int64_t, const float *, int64_t, float *);
 static dense_fn *const DENSE_TILES[7] = {0, dense_1, dense_2, dense_3, dense_4, dense_5, dense_6};
@@ -287,9 +370,9 @@ static void dequantize_panel(const uint8_t *panel, int64_t groups, int bits, int
 static void dense_any(const float *x, int64_t ldx, const float *w, int64_t k, int rows, float *sums) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < COLS; c++) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < k; i++) acc += x[r * ldx + i] * w[i * COLS + c];
-            sums[r * COLS + c] = acc;
+            float chain[4] = {0.0f, 0.0f, 0.0f, 0.0f};  /* the SIMD paths' four chains, in their order */
+            for (int64_t i = 0; i < k; i++) chain[i % 4] += x[r * ldx + i] * w[i * COLS + c];
+            sums[r * COLS + c] = (chain[0] + chain[1]) + (chain[2] + chain[3]);
         }
 }
 #define DENSE_ROWS 6
@@ -330,7 +413,7 @@ void quant_linear(const void *x_in, int64_t rows, int64_t k, const void *tiles, 
                             DENSE_TILES[tile_rows](x + r * k, k, w, k, sums);
                         } else {
                             tile_rows = (int)(rows - r < REG_ROWS ? rows - r : REG_ROWS);
-                            in_registers(bits, tile_rows)(x + r * k, k, panel, groups, group, scale_f16, has_min, sums);
+                            in_registers(bits, tile_rows)(x + r * k, k, panel, groups, group, scale_f16, sums);
                         }
 #else
                         if (!buffered) dequantize_panel(panel, groups, bits, group, scale_f16, has_min,

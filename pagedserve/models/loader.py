@@ -407,7 +407,7 @@ def _save_safetensors(tensors: dict[str, Tensor], folder: Path) -> None:
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(folder / "model.safetensors"))
 
 
-_CONVERSION_LOCK = threading.Lock()
+_CONVERSION_LOCK = threading.RLock()  # a conversion may read the config, itself a conversion
 
 
 def _converting(make: Callable[[], Any]) -> Callable[[], Any]:

@@ -246,7 +246,7 @@ def pack(t: QuantizedTensor) -> tuple[Tensor, bool]:
         body = codes.view(np.uint8)
     else:
         low = codes & 15
-        body = [low[..., 0::2] | (low[..., 1::2] << 4)]
+        body = [low[..., :COLS // 2] | (low[..., COLS // 2:] << 4)]
         if t.bits == 5:
             body.append(np.packbits((codes >> 4) & 1, axis=-1, bitorder="little"))
         elif t.bits == 6:
