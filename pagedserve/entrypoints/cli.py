@@ -10,9 +10,12 @@ from collections.abc import Callable
 
 
 def cmd_kv_calc(args: argparse.Namespace) -> None:
-    from pagedserve.entrypoints.kv_calc import report, resolve_shape
+    from pagedserve.entrypoints.kv_calc import report, resolve_shape, weights_line
 
     print(report(resolve_shape(args.model), args.dtype, args.tokens, args.tp_size, args.kv_cache_memory_bytes))
+    weights = weights_line(args.model)  # for a checkpoint on disk, not a preset
+    if weights:
+        print(weights)
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> None:

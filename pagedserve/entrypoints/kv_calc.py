@@ -62,10 +62,67 @@ def shape_from_hf_config(config: dict, name: str) -> KVShape:
     )
 
 
+def shape_from_gguf(path: str) -> KVShape:
+    """A GGUF's shape, from its metadata (llama.cpp's keys: <arch>.block_count, ...)."""
+    fields = gguf_fields(path)
+    arch = fields["general.architecture"]
+    heads = fields[f"{arch}.attention.head_count"]
+    return KVShape(
+        name=os.path.basename(path), num_layers=fields[f"{arch}.block_count"], num_heads=heads,
+        num_kv_heads=fields.get(f"{arch}.attention.head_count_kv") or heads,
+        head_dim=fields.get(f"{arch}.attention.key_length") or fields[f"{arch}.embedding_length"] // heads,
+        max_context=fields.get(f"{arch}.context_length", 2048),
+        intermediate_size=fields.get(f"{arch}.feed_forward_length"),
+    )
+
+
+def gguf_fields(path: str) -> dict:
+    """A GGUF's scalar metadata (strings and numbers), without reading its tensors."""
+    from gguf import GGUFReader, GGUFValueType
+
+    fields = {}
+    for name, field in GGUFReader(path).fields.items():
+        if len(field.types) == 1 and field.types[0] != GGUFValueType.ARRAY:
+            value = field.parts[field.data[0]]
+            fields[name] = value.tobytes().decode() if field.types[0] == GGUFValueType.STRING else value.item()
+    return fields
+
+
+def weight_bytes(model: str) -> dict[str, int]:
+    """Bytes of a checkpoint's weights by format (a GGUF's tensor types, a safetensors dtype), as
+    stored: what pagedserve holds with quantization="auto" (a GGUF) or "none" in that dtype."""
+    sizes: dict[str, int] = {}
+    if model.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        for tensor in GGUFReader(model).tensors:
+            sizes[tensor.tensor_type.name] = sizes.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+        return sizes
+    for name in sorted(os.listdir(model)) if os.path.isdir(model) else []:
+        if name.endswith(".safetensors"):
+            with open(os.path.join(model, name), "rb") as f:  # the JSON header gives every tensor's extent
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            for key, info in header.items():
+                if key != "__metadata__":
+                    start, end = info["data_offsets"]
+                    sizes[info["dtype"]] = sizes.get(info["dtype"], 0) + end - start
+    return sizes
+
+
+def weights_line(model: str) -> str | None:
+    sizes = weight_bytes(model)
+    if not sizes:
+        return None
+    parts = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in sorted(sizes.items(), key=lambda kv: -kv[1]))
+    return f"weights: {human_bytes(sum(sizes.values()))} ({parts})"
+
+
 def resolve_shape(model: str) -> KVShape:
-    """A preset name, a config.json file, or a Hugging Face model directory."""
+    """A preset name, a config.json file, a Hugging Face model directory, or a GGUF file."""
     if model.lower() in PRESETS:
         return PRESETS[model.lower()]
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return shape_from_gguf(model)
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
         raise ValueError(f"unknown model {model!r}: give a preset ({', '.join(PRESETS)}), a config.json or a model directory")

@@ -1,9 +1,11 @@
+import dataclasses
 import json
+import os
 
 import pytest
 
 from pagedserve.entrypoints.cli import main
-from pagedserve.entrypoints.kv_calc import resolve_shape
+from pagedserve.entrypoints.kv_calc import human_bytes, resolve_shape, weight_bytes
 
 
 def test_llama_3_8b_full_context_in_bf16(capsys):
@@ -76,3 +78,19 @@ def test_kv_heads_replicated_past_their_count_hold_only_kv_heads_x(capsys, tmp_p
 def test_tp_size_that_does_not_split_the_model_names_the_accepted_sizes():
     with pytest.raises(SystemExit, match="tensor_parallel_size=2 .*it accepts 1, 3$"):
         main(["kv-calc", "--model", "smollm2-135m", "--tensor-parallel-size", "2"])
+
+
+def test_a_gguf_gives_its_shape_and_its_weight_bytes_by_format(capsys, embedded_path):
+    assert resolve_shape(embedded_path) == dataclasses.replace(resolve_shape("smollm2-135m"),
+                                                               name=os.path.basename(embedded_path))
+    out = _kv_calc(capsys, "--model", embedded_path)
+    assert "KV bytes per token: 23,040" in out
+    sizes = weight_bytes(embedded_path)
+    assert set(sizes) == {"Q4_1", "Q8_0", "F32"}
+    assert sizes["Q8_0"] == 49152 * 576 // 32 * 34  # the embedding table: 34 bytes per block of 32
+    assert f"weights: {human_bytes(sum(sizes.values()))} (Q4_1 " in out
+
+
+def test_a_safetensors_directory_gives_its_weight_bytes_by_dtype(tiny_checkpoint):
+    path, model = tiny_checkpoint("llama")
+    assert weight_bytes(str(path)) == {"F32": sum(p.numel() * 4 for p in model.state_dict().values())}
