@@ -6,7 +6,7 @@ same weights (scripts/make_gguf.py):
     .venv/bin/pagedserve bench throughput --model /tmp/llama-1b --dtype bfloat16 \\
         --vllm-python /work/vllm-venv/bin/python --systems pagedserve,vllm
     .venv/bin/python scripts/make_random_model.py /tmp/tiny --shape tiny --gguf-type Q8_0 --gguf-type Q4_0
-        # also writes /tmp/tiny/tiny.Q8_0.gguf and /tmp/tiny/tiny.Q4_0.gguf
+        # also writes /tmp/tiny-q8_0.gguf and /tmp/tiny-q4_0.gguf
 
 `--shape tiny` is for tests: two layers of width 64, untied embeddings (so a GGUF of it holds an
 output.weight too).
@@ -60,13 +60,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gguf-type", action="append", default=[], choices=list(GGUF_TYPES),
-                        help="also write <out>/<name>.<TYPE>.gguf of the same weights (repeatable)")
+                        help="also write <out>-<type>.gguf of the same weights (repeatable)")
     args = parser.parse_args()
 
     params = write_random_model(args.out, args.shape, args.dtype, args.seed)
     print(f"wrote {args.out}: {args.shape}, {params / 1e9:.2f}B parameters in {args.dtype}")
     for gguf_type in args.gguf_type:
-        path = Path(args.out) / f"{Path(args.out).resolve().name}.{gguf_type}.gguf"
+        # Beside the directory, not in it: transformers, reading a GGUF's tokenizer from a folder that also
+        # holds a Hugging Face tokenizer, loses the GGUF's chat template.
+        path = Path(f"{Path(args.out).resolve()}-{gguf_type.lower()}.gguf")
         counts = write_gguf(args.out, path, gguf_type)
         print(f"wrote {path}: {path.stat().st_size / 1e6:.1f} MB, tensors {counts}")
 
