@@ -3,6 +3,7 @@ they came from: checked on make_random_model.py's tiny shape."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -33,6 +34,20 @@ def tiny(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     for gguf_type, path in files.items():
         write_gguf(folder, path, gguf_type)
     return folder, files
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny):
+    """transformers' float32 load of the tiny GGUF of a type (each read once: a read takes seconds)."""
+    _, files = tiny
+
+    @functools.cache
+    def load(gguf_type: str):
+        path = files[gguf_type]
+        return AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
+
+    return load
 
 
 def _unpermute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -68,10 +83,10 @@ def _step_bound(source: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 
 @pytest.mark.parametrize("gguf_type", TYPES)
-def test_transformers_reads_the_gguf_as_the_dequantized_source(tiny, gguf_type):
+def test_transformers_reads_the_gguf_as_the_dequantized_source(tiny, hf_model, gguf_type):
     folder, files = tiny
     path = files[gguf_type]
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = hf_model(gguf_type)
     loaded = {name: p.detach().numpy() for name, p in model.state_dict().items()}
     source = {name: t.numpy() for name, t in load_file(folder / "model.safetensors").items()}
     stored = _gguf_weights(path, list(source))
@@ -87,7 +102,7 @@ def test_transformers_reads_the_gguf_as_the_dequantized_source(tiny, gguf_type):
         assert (error <= _step_bound(source[name], qtype)).all(), f"{name}: {error.max()}"
 
 
-def test_pagedserve_greedy_matches_transformers_on_the_gguf(tiny, monkeypatch, tmp_path):
+def test_pagedserve_greedy_matches_transformers_on_the_gguf(tiny, hf_model, monkeypatch, tmp_path):
     from pagedserve import LLM, SamplingParams
     from pagedserve.models import gguf_cache
 
@@ -97,10 +112,8 @@ def test_pagedserve_greedy_matches_transformers_on_the_gguf(tiny, monkeypatch, t
     path = files["Q4_0"]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False)
-    reference = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        expected = hf_model("Q4_0").generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
 
     llm = LLM(model=str(path), quantization="none", dtype="float32", kv_cache_memory_bytes=1 << 24)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
