@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-# Layer shapes of the models the benchmarks stand in for.
+# Layer shapes of the models the benchmarks stand in for, and a tiny one for tests.
 SHAPES = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),

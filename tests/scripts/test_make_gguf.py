@@ -113,7 +113,8 @@ def test_pagedserve_greedy_matches_transformers_on_the_gguf(tiny, hf_model, monk
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False)
     with torch.no_grad():
-        expected = hf_model("Q4_0").generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        generated = hf_model("Q4_0").generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    expected = generated[0, len(ids):].tolist()
 
     llm = LLM(model=str(path), quantization="none", dtype="float32", kv_cache_memory_bytes=1 << 24)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
