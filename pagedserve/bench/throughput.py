@@ -110,8 +110,10 @@ def run_pagedserve(workload: Workload, reps: int, model, tokenizer, label: str =
         assert produced == workload.num_output_tokens, (produced, workload.num_output_tokens)
         token_ids[:] = [list(out.outputs[0].token_ids) for out in outputs]
 
+    from pagedserve.models.quantized import describe_weights
+
     kv = "" if config.kv_cache_dtype == "auto" else f" {config.kv_cache_dtype}"
-    note = f"paged{kv} KV, block {config.block_size}"
+    note = f"paged{kv} KV, block {config.block_size}; weights {describe_weights(llm.llm_engine.runner.model)}"
     try:
         seconds = timed(run, reps)
     finally:
@@ -270,25 +272,26 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
                          vllm_python: str | None = None, llamacpp_python: str | None = None,
                          hf_model_dir: str | None = None, engine_kwargs: dict | None = None,
                          device: str = "cpu", dtype: str = "float32", model: str | None = None,
-                         log=print) -> list[SystemResult]:
+                         quantizations: tuple[str, ...] = ("none",), log=print) -> list[SystemResult]:
     """pagedserve and transformers run `model` (default: the embedded one) on `device` in `dtype`;
     vLLM (in `dtype` too) `hf_model_dir`, else `model`, and llama.cpp (CPU builds) the embedded
-    model on the CPU."""
+    model on the CPU. pagedserve runs once per weight format in `quantizations` (EngineConfig's
+    `quantization`): the first is the "pagedserve" row the others are compared with."""
     from pagedserve.models.loader import embedded_model_path, load_model, load_tokenizer
 
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise ValueError(f"unknown system {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
 
-    @functools.cache  # loaded once, by the first run that needs it
-    def ours():
+    @functools.cache  # loaded once per weight format, by the first run that needs it
+    def ours(quantization: str = quantizations[0]):
         start = time.perf_counter()
-        loaded = load_model(model, getattr(torch, dtype), device), load_tokenizer(model)
+        loaded = load_model(model, getattr(torch, dtype), device, quantization=quantization), load_tokenizer(model)
         return loaded, time.perf_counter() - start
 
-    def run_ours(**kwargs) -> SystemResult:
+    def run_ours(quantization: str = quantizations[0], **kwargs) -> SystemResult:
         """run_pagedserve on the shared weights; its startup counts their loading, as a fresh start would."""
-        (loaded_model, tokenizer), load_s = ours()
+        (loaded_model, tokenizer), load_s = ours(quantization)
         result = run_pagedserve(workload, reps, loaded_model, tokenizer, **kwargs)
         result.startup_s += load_s
         return result
@@ -305,6 +308,8 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
         if system == "pagedserve":
             tp = engine_kwargs.get("tensor_parallel_size", 1)
             runs.append(("pagedserve", lambda: run_ours(**(engine_kwargs | {"tensor_parallel_size": 1}))))
+            runs += [(f"pagedserve ({q})", lambda q=q: run_ours(q, label=f"pagedserve (quantization={q})", **(
+                engine_kwargs | {"tensor_parallel_size": 1}))) for q in quantizations[1:]]
             if tp > 1:  # against TP=1 on the same cores: the ranks share the threads TP=1 has
                 runs.append((f"pagedserve-tp{tp}", lambda: run_pagedserve(
                     workload, reps, None, ours()[0][1], label=f"pagedserve (TP={tp})", model_path=model, **engine_kwargs)))

@@ -270,7 +270,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
                        "tensor_parallel_size": args.tensor_parallel_size},
-        device=args.device, model=args.model, dtype=resolve_dtype(args.dtype, args.device))
+        device=args.device, model=args.model, dtype=resolve_dtype(args.dtype, args.device),
+        quantizations=tuple(args.quantization.split(",")))
     table = markdown_table(workload, results)
     if args.device == "cpu" and args.model is None and any(r.system == "pagedserve" and not r.skipped for r in results):
         table += "\n\n" + ceiling_note(results, resolve_dtype(args.dtype, args.device))
@@ -587,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--hf-model-dir", default=None,
                      help="the model as an HF directory for vLLM (default: --model; the embedded model: pagedserve export-hf)")
     thr.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python installed")
+    thr.add_argument("--quantization", default="auto",
+                     help="pagedserve's weight formats, comma-separated (auto, none, int8, int4): a row each, the "
+                          "first the one the others are compared with")
     thr.add_argument("--out-dir", default="docs")
     thr.add_argument("--json", default=None)
     thr.set_defaults(func=cmd_bench_throughput)

@@ -384,3 +384,22 @@ class QuantizedWeight(nn.Module):
 def dense_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
     """The reference for tests and debugging: dequantize, then torch's matmul."""
     return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
+    """The bytes of a model's weights by format: each quantized segment's format, and the dtype of
+    every dense parameter (the rotary tables and other buffers are not weights)."""
+    sizes: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, _Segment):
+            sizes[module.format] = sizes.get(module.format, 0) + module.tiles.nbytes
+    for p in model.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        sizes[name] = sizes.get(name, 0) + p.nbytes
+    return sizes
+
+
+def describe_weights(model: nn.Module) -> str:
+    """e.g. "Q4_1 66.4 MB, Q8_0 30.1 MB, float32 0.1 MB", largest first."""
+    sizes = sorted(weight_bytes_by_format(model).items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} {n / 1e6:.1f} MB" for name, n in sizes)
