@@ -114,22 +114,16 @@ def split_quantized(net: DecoderForCausalLM, tensors: Iterable[tuple[str, object
     targets = net.checkpoint_targets()
     owners = {id(p): (path, module, leaf) for path, module in net.named_modules()
               for leaf, p in module.named_parameters(recurse=False)}
-    by_param: dict[int, list[tuple[str, Target, object]]] = defaultdict(list)
-    dense: list[tuple[str, object]] = []
-    tied = net.config.tie_word_embeddings
-    for name, tensor in tensors:
-        if tied and name == "lm_head.weight":
-            continue
-        target = targets.get(name)
-        if target is None or not isinstance(tensor, QuantizedTensor):
-            dense.append((name, tensor))
-        else:
-            by_param[id(target.param)].append((name, target, tensor))
-    expected = defaultdict(int)
+    expected: dict[int, int] = defaultdict(int)
     for target in targets.values():
         expected[id(target.param)] += 1
-    quantized = {}
-    for param_id, parts in by_param.items():
+    by_param: dict[int, list[tuple[str, Target, QuantizedTensor]]] = defaultdict(list)
+    dense: list[tuple[str, object]] = []
+    quantized: dict[str, QuantizedWeight] = {}
+
+    def settle(param_id: int) -> None:
+        """Pack a parameter's parts (or dequantize them) and let go of the unpacked codes."""
+        parts = by_param.pop(param_id)
         path, module, leaf = owners[param_id]
         weight = None
         if leaf == "weight" and isinstance(module, (Linear, VocabParallelEmbedding)):
@@ -138,6 +132,20 @@ def split_quantized(net: DecoderForCausalLM, tensors: Iterable[tuple[str, object
             dense.extend((name, torch.from_numpy(t.dequantize())) for name, _, t in parts)
         else:
             quantized[path] = weight
+
+    tied = net.config.tie_word_embeddings
+    for name, tensor in tensors:
+        if tied and name == "lm_head.weight":
+            continue
+        target = targets.get(name)
+        if target is None or not isinstance(tensor, QuantizedTensor):
+            dense.append((name, tensor))
+            continue
+        by_param[id(target.param)].append((name, target, tensor))
+        if len(by_param[id(target.param)]) == expected[id(target.param)]:
+            settle(id(target.param))  # as soon as complete: the load holds one layer's codes at a time
+    for param_id in list(by_param):  # incomplete: loaded dense (load_weights names what is missing)
+        settle(param_id)
     return quantized, dense
 
 
