@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PANEL 64          /* output columns per panel: four 16-lane vectors */
 #define STEP_BYTES 256    /* one step of a panel */
 #define ROWS 6            /* rows of x per register tile */
@@ -182,21 +184,6 @@ int linear_supports(int dtype) {
 
 TILES(f32, 0)
 TILES(bf16, 1)
-
-static inline float widen_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch converts float32 to bfloat16 (a NaN stays a quiet NaN). */
-static inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
-}
 
 /* One row's sums (+ bias) written to y's columns [0, cols), rounded to y's dtype. */
 static void store_row(const float *sums, const void *bias, void *y, int cols, int dtype) {

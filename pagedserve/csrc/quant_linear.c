@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define COLS 16        /* output columns per panel */
 #define REG_ROWS 4     /* rows per call dequantized in registers; more go through a panel buffer */
 #define BLOCK_ROWS 64  /* rows per pass over a dequantized panel */
@@ -56,21 +58,6 @@ static inline float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
-}
-
-static inline float widen_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch converts float32 to bfloat16 (a NaN stays a quiet NaN). */
-static inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
 }
 
 static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }

@@ -17,14 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedserve import native
 
 COLS = 16  # output rows of W per panel, as in csrc/quant_linear.c
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-QK_K = 256  # elements per super-block of the K-quants
 
 # GGUF type name -> (elements per block, bytes per block) for the formats unpacked here.
 GGUF_FORMATS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
@@ -379,11 +377,6 @@ class QuantizedWeight(nn.Module):
                                    _DTYPES[dtype], torch.get_num_threads()) != 0:
                 raise AssertionError("unreachable: every row id is in range")
         return out
-
-
-def dense_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
-    """The reference for tests and debugging: dequantize, then torch's matmul."""
-    return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
 def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
