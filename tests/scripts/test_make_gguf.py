@@ -167,3 +167,22 @@ def test_refuses_a_checkpoint_it_would_convert_wrong(tmp_path):
                 num_key_value_heads=2, attention_bias=True).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="biases"):
         write_gguf(tmp_path, tmp_path / "x.gguf", "Q8_0")
+
+
+@pytest.mark.parametrize("gguf_type", TYPES)
+def test_pagedserve_runs_the_gguf_as_stored(tiny, gguf_type, monkeypatch, tmp_path, paged_harness):
+    """quantization="auto" keeps every matrix in the file's type (the untied LM head too) and
+    computes what the dequantized path computes, to float32 rounding."""
+    from pagedserve.models.loader import load_model
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    path = str(tiny[1][gguf_type])
+    quantized, config = load_model(path, quantization="auto")
+    dense, _ = load_model(path, quantization="none")
+    assert quantized.lm_head.quantized.formats == [gguf_type]
+    assert quantized.model.embed_tokens.quantized.formats == [gguf_type]
+    assert quantized.model.layers[1].mlp.down_proj.quantized.formats == [gguf_type]
+    prompt = list(range(3, 40))
+    ours = paged_harness(quantized, config, 16, 8).step([(0, prompt)])[0]
+    ref = paged_harness(dense, config, 16, 8).step([(0, prompt)])[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
