@@ -212,7 +212,9 @@ def run_latency_bench(systems: list[str], quantizations: list[str], prompt_len: 
     results = []
     for label, run in runs:
         log(f"running {label} ...")
+        load = os.getloadavg()[0]  # the machine may be shared: what else ran shows here
         results.append(run())
+        results[-1].note = "; ".join(filter(None, [results[-1].note, f"load {load:.1f} at start"]))
         log("  " + json.dumps({k: v for k, v in results[-1].summary().items() if k != "token_ids"})[:300])
     log("measuring the read bandwidth ...")
     return workload, results, read_bandwidth(bandwidth_bytes)
