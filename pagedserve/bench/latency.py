@@ -65,17 +65,40 @@ class LatencyResult:
 # ---- what bounds a decode step ---------------------------------------------------------------
 
 
-def read_bandwidth(size_bytes: int = 1 << 30, passes: int = 5) -> float:
-    """Bytes per second torch reads on its threads: the best of `passes` sums of a float32 tensor
-    of `size_bytes` (far larger than the caches)."""
-    x = torch.ones(size_bytes // 4, dtype=torch.float32)
-    x.sum()  # the pages are touched and the threads started before timing
-    best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return size_bytes / best
+def read_bandwidth(size_bytes: int = 1 << 30, passes: int = 5) -> tuple[float, str]:
+    """(bytes per second, the way that reached it) torch reads on its threads: the best of `passes`
+    runs each of two reads of one float32 tensor of `size_bytes` (far larger than the caches), a sum
+    and a matrix-vector product over it as a [rows, 4096] matrix (a decode step's read; MKL's gemv
+    prefetches better than torch's reduction)."""
+    x = torch.ones(max(1, size_bytes // (4 * 4096)) * 4096, dtype=torch.float32)
+    matrix, vector = x.view(-1, 4096), torch.ones(4096)
+    reads = {"torch.sum": lambda: x.sum(), "torch.mv": lambda: torch.mv(matrix, vector)}
+    best = {}
+    for name, read in reads.items():
+        read()  # the pages are touched and the threads started before timing
+        for _ in range(passes):
+            start = time.perf_counter()
+            read()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+    name = min(best, key=best.get)
+    return x.numel() * 4 / best[name], name
+
+
+def cpu_seconds_of_others(since: tuple[float, float]) -> float:
+    """CPU seconds the whole machine was busy since `since` (a `cpu_clock()` reading), less those of
+    this process and its children: what other programs took while a row ran."""
+    machine, ours = cpu_clock()
+    return (machine - since[0]) - (ours - since[1])
+
+
+def cpu_clock() -> tuple[float, float]:
+    """(CPU seconds the machine has been busy, all cores, from /proc/stat; CPU seconds of this
+    process and its finished children)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    machine = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return machine, sum(r.ru_utime + r.ru_stime for r in own)
 
 
 def decode_weight_bytes(model) -> int:
@@ -182,8 +205,9 @@ def run_latency_bench(systems: list[str], quantizations: list[str], prompt_len: 
                       reps: int = 3, seed: int = 0, model: str | None = None, dtype: str = "float32",
                       llamacpp_python: str | None = None, llamacpp_threads: list[int] | None = None,
                       vllm_python: str | None = None, hf_model_dir: str | None = None,
-                      bandwidth_bytes: int = 1 << 30, log=print) -> tuple[Workload, list[LatencyResult], float]:
-    """(the request, a row per system, this machine's read bandwidth in bytes/s). pagedserve runs
+                      bandwidth_bytes: int = 1 << 30, log=print) -> tuple[Workload, list[LatencyResult], float, str]:
+    """(the request, a row per system, this machine's read bandwidth in bytes/s and the read that
+    reached it). pagedserve runs
     `model` (default: the embedded GGUF), llama.cpp the same file (it must be a GGUF)."""
     from pagedserve.models.loader import embedded_model_path, load_tokenizer
 
@@ -212,18 +236,21 @@ def run_latency_bench(systems: list[str], quantizations: list[str], prompt_len: 
     results = []
     for label, run in runs:
         log(f"running {label} ...")
-        load = os.getloadavg()[0]  # the machine may be shared: what else ran shows here
+        # The machine may be shared: what other programs took of it while the row ran shows in its notes.
+        start, clock = time.perf_counter(), cpu_clock()
         results.append(run())
-        results[-1].note = "; ".join(filter(None, [results[-1].note, f"load {load:.1f} at start"]))
+        others = cpu_seconds_of_others(clock) / ((time.perf_counter() - start) * os.cpu_count())
+        results[-1].note = "; ".join(filter(None, [results[-1].note, f"other programs: {max(others, 0):.0%} CPU"]))
         log("  " + json.dumps({k: v for k, v in results[-1].summary().items() if k != "token_ids"})[:300])
     log("measuring the read bandwidth ...")
-    return workload, results, read_bandwidth(bandwidth_bytes)
+    return workload, results, *read_bandwidth(bandwidth_bytes)
 
 
 # ---- the report ------------------------------------------------------------------------------
 
 
-def markdown_table(workload: Workload, results: list[LatencyResult], bandwidth: float, bandwidth_bytes: int) -> str:
+def markdown_table(workload: Workload, results: list[LatencyResult], bandwidth: float, bandwidth_bytes: int,
+                   bandwidth_read: str) -> str:
     (request,) = workload.requests
     runs = max((len(r.ttft_s) for r in results if not r.skipped), default=0)
     lines = [f"One request at a time: a {len(request.prompt_token_ids)}-token prompt (random ids), "
@@ -231,9 +258,10 @@ def markdown_table(workload: Workload, results: list[LatencyResult], bandwidth: 
              "TTFT: from adding the request to its first token. Decode: tokens after the first / seconds after the "
              "first. Peak RSS: the process's peak resident memory (vLLM: the sum of its processes' peaks). "
              "Weights/token: the weight bytes a decode step reads (embedding table excluded unless it is the LM "
-             f"head). Read bandwidth: {bandwidth / 1e9:.1f} GB/s, the best of 5 passes of torch.sum over a "
-             f"{bandwidth_bytes / 2**30:g} GiB float32 tensor on {torch.get_num_threads()} threads, measured in this "
-             "run; bound = bandwidth / weights per token (KV reads not counted).", "",
+             f"head). Read bandwidth: {bandwidth / 1e9:.1f} GB/s, the best of 5 passes each of torch.sum and torch.mv "
+             f"over a {bandwidth_bytes / 2**30:g} GiB float32 tensor on {torch.get_num_threads()} threads ({bandwidth_read} "
+             "was faster), measured in this run; bound = bandwidth / weights per token (KV reads not counted). Other "
+             "programs: the share of the machine's CPU time they took while the row ran (this machine is shared).", "",
              "| system | TTFT ms | decode tok/s | peak RSS MB | weights/token MB | bound tok/s | % of bound | notes |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:

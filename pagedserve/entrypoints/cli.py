@@ -281,16 +281,16 @@ def cmd_bench_latency(args: argparse.Namespace) -> None:
     from pagedserve.bench.latency import markdown_table, ratios, run_latency_bench
 
     bandwidth_bytes = int(args.bandwidth_gib * 2**30)
-    workload, results, bandwidth = run_latency_bench(
+    workload, results, bandwidth, bandwidth_read = run_latency_bench(
         args.systems.split(","), args.quantization.split(","), prompt_len=args.prompt_len, output_len=args.output_len,
         reps=args.reps, seed=args.seed, model=args.model, dtype=args.dtype, llamacpp_python=args.llamacpp_python,
         llamacpp_threads=[int(n) for n in args.llamacpp_threads.split(",")] if args.llamacpp_threads else None,
         vllm_python=args.vllm_python, hf_model_dir=args.hf_model_dir, bandwidth_bytes=bandwidth_bytes)
-    table = markdown_table(workload, results, bandwidth, bandwidth_bytes)
+    table = markdown_table(workload, results, bandwidth, bandwidth_bytes, bandwidth_read)
     table = "\n\n".join([table, *ratios(results)])
     print(table)
     save_report(args.out_dir, "bench_latency", table, None, args.json,
-                {"workload": workload.to_json(), "read_bandwidth_bytes_per_s": bandwidth,
+                {"workload": workload.to_json(), "read_bandwidth_bytes_per_s": bandwidth, "read_bandwidth_by": bandwidth_read,
                  "results": [r.summary() for r in results]})
 
 
