@@ -261,12 +261,15 @@ def markdown_table(workload: Workload, results: list[LatencyResult], bandwidth: 
              f"head). Read bandwidth: {bandwidth / 1e9:.1f} GB/s, the best of 5 passes each of torch.sum and torch.mv "
              f"over a {bandwidth_bytes / 2**30:g} GiB float32 tensor on {torch.get_num_threads()} threads ({bandwidth_read} "
              "was faster), measured in this run; bound = bandwidth / weights per token (KV reads not counted). Other "
-             "programs: the share of the machine's CPU time they took while the row ran (this machine is shared).", "",
-             "| system | TTFT ms | decode tok/s | peak RSS MB | weights/token MB | bound tok/s | % of bound | notes |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "programs: the share of the machine's CPU time they took while the row ran (this machine is shared). "
+             "Same tokens: the output tokens before the first difference from the first pagedserve row's.", "",
+             "| system | TTFT ms | decode tok/s | peak RSS MB | weights/token MB | bound tok/s | % of bound "
+             "| same tokens | notes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    ours = next((r for r in results if r.system.startswith("pagedserve") and not r.skipped), None)
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.system} | - | - | - | - | - | - | {r.skipped} |")
+            lines.append(f"| {r.system} | - | - | - | - | - | - | - | {r.skipped} |")
             continue
         rss = "-" if r.peak_rss_bytes is None else f"{r.peak_rss_bytes / 1e6:.0f}"
         if r.weight_bytes:
@@ -275,8 +278,17 @@ def markdown_table(workload: Workload, results: list[LatencyResult], bandwidth: 
         else:
             weights = bound_s = share = "-"
         lines.append(f"| {r.system} | {r.ttft_ms:.1f} | {r.decode:.1f} ({min(r.decode_tps):.1f}..{max(r.decode_tps):.1f}) "
-                     f"| {rss} | {weights} | {bound_s} | {share} | {r.note} |")
+                     f"| {rss} | {weights} | {bound_s} | {share} | {agreement(ours, r)} | {r.note} |")
     return "\n".join(lines)
+
+
+def agreement(ours: LatencyResult | None, other: LatencyResult) -> str:
+    """How many of the output tokens `other` produced before its first difference from `ours`."""
+    if ours is None or other is ours or not ours.token_ids or not other.token_ids:
+        return "-"
+    a, b = ours.token_ids, other.token_ids
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{same}/{len(b)}"
 
 
 def ratios(results: list[LatencyResult]) -> list[str]:

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from pagedserve.bench.latency import (LatencyResult, decode_weight_bytes, gguf_weight_bytes, ratios,
+from pagedserve.bench.latency import (LatencyResult, agreement, decode_weight_bytes, gguf_weight_bytes, ratios,
                                       run_latency_bench)
 from pagedserve.entrypoints.cli import main
 from pagedserve.models.loader import load_model
@@ -20,7 +20,8 @@ def test_the_table_has_a_row_per_system_and_skips_llamacpp_without_its_python(tm
     table = (tmp_path / "bench_latency.md").read_text()
     header, _, ours, llamacpp = [line for line in table.splitlines() if line.startswith("|")]
     assert [c.strip() for c in header.strip("|").split("|")] == [
-        "system", "TTFT ms", "decode tok/s", "peak RSS MB", "weights/token MB", "bound tok/s", "% of bound", "notes"]
+        "system", "TTFT ms", "decode tok/s", "peak RSS MB", "weights/token MB", "bound tok/s", "% of bound",
+        "same tokens", "notes"]
     assert ours.startswith("| pagedserve (quantization=auto) |") and "other programs:" in ours
     assert llamacpp.startswith("| llamacpp (") and "--llamacpp-python" in llamacpp
     assert " / llamacpp" not in table  # no ratio to a system that did not run
@@ -61,6 +62,13 @@ def test_ratios_pair_each_pagedserve_row_with_each_llamacpp_row():
     assert ratios(rows) == [
         "pagedserve (quantization=auto) / llamacpp (1 thread): decode tokens/s 3.00x, TTFT 0.50x",
         "pagedserve (quantization=auto) / llamacpp (2 threads): decode tokens/s 1.50x, TTFT 2.50x"]
+
+
+def test_agreement_counts_the_tokens_before_the_first_difference():
+    ours = LatencyResult("pagedserve (quantization=none)", [0.1], [10.0], token_ids=[5, 6, 7, 8])
+    assert agreement(ours, LatencyResult("llamacpp (2 threads)", [0.1], [10.0], token_ids=[5, 6, 9, 8])) == "2/4"
+    assert agreement(ours, LatencyResult("vllm", [0.1], [10.0], token_ids=[5, 6, 7, 8])) == "4/4"
+    assert agreement(ours, ours) == "-"
 
 
 @pytest.mark.parametrize("kwargs, message", [({"systems": ["sglang"]}, "unknown system"),
