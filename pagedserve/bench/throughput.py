@@ -190,23 +190,42 @@ def run_hf_cb(workload: Workload, reps: int, hf_model) -> SystemResult:
                         note="transformers continuous batching")
 
 
+def run_driver(command: list[str], spec: dict, env: dict | None = None) -> dict:
+    """Run `command SPEC.json REPORT.json` (a driver script under some Python) on `spec` and return
+    the report it wrote; a RuntimeError with the driver's last error line when it wrote none."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, report_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "report.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        proc = subprocess.run([*command, spec_path, report_path], capture_output=True, text=True,
+                              env={**os.environ, **(env or {})})
+        if proc.returncode != 0 or not os.path.exists(report_path):
+            raise RuntimeError(f"failed: {proc.stderr.strip().splitlines()[-1:]}")
+        with open(report_path) as f:
+            return json.load(f)
+
+
+def driver_command(system: str, python: str) -> list[str]:
+    """How to run the driver of vllm / llamacpp under that system's own Python."""
+    return [python, os.path.join(DRIVERS, f"{system}_driver.py")]
+
+
+def vllm_all_cores_env() -> dict:
+    """vLLM's CPU build bound to every core (its default leaves one out)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 def run_external(system: str, python: str | None, workload: Workload, reps: int, model_path: str,
                  extra: dict, env: dict | None = None, label: str | None = None) -> SystemResult:
     """vllm / llamacpp: a driver script run by that system's own Python, timing inside."""
     label = label or system
     if not python:
         return SystemResult(label, skipped=f"not run: pass --{system}-python PATH to a Python that has it")
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = os.path.join(tmp, "workload.json")
-        with open(spec, "w") as f:
-            json.dump({"workload": workload.to_json(), "model": model_path, "reps": reps, **extra}, f)
-        driver, report_path = os.path.join(DRIVERS, f"{system}_driver.py"), os.path.join(tmp, "report.json")
-        proc = subprocess.run([python, driver, spec, report_path], capture_output=True, text=True,
-                              env={**os.environ, **(env or {})})
-        if proc.returncode != 0 or not os.path.exists(report_path):
-            return SystemResult(label, skipped=f"failed: {proc.stderr.strip().splitlines()[-1:]}")
-        with open(report_path) as f:
-            report = json.load(f)
+    try:
+        report = run_driver(driver_command(system, python),
+                            {"workload": workload.to_json(), "model": model_path, "reps": reps, **extra}, env)
+    except RuntimeError as e:
+        return SystemResult(label, skipped=str(e))
     return SystemResult(label, report["seconds"], workload.num_prompt_tokens, report["output_tokens"],
                         note=report.get("note", ""), startup_s=report.get("startup_s"),
                         token_ids=report.get("token_ids"))
@@ -332,7 +351,7 @@ def run_throughput_bench(workload: Workload, systems: list[str], reps: int = 3, 
                 label = f"vllm ({os.cpu_count()} threads)"
                 runs.append((label, lambda label=label: run_external(
                     "vllm", vllm_python, workload, reps, vllm_model, {"dtype": dtype},
-                    env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                    env=vllm_all_cores_env(),
                     label=label)))
         else:
             runs.append(("llamacpp", lambda: run_external("llamacpp", llamacpp_python, workload, reps,

@@ -58,7 +58,7 @@ class Workload:
             {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len, "n": r.n} for r in self.requests]}
 
 
-def _random_tokens(rng: random.Random, n: int, vocab: range) -> list[int]:
+def _random_tokens(rng: random.Random, n: int, vocab: range | list[int]) -> list[int]:
     return [rng.choice(vocab) for _ in range(n)]
 
 
@@ -122,6 +122,13 @@ def long_outputs(num_requests: int = 64, seed: int = 0, prompt_len: int = 16, ou
     rng = random.Random(seed)
     return Workload("long-outputs", [WorkloadRequest(_random_tokens(rng, prompt_len, vocab), output_len)
                                      for _ in range(num_requests)])
+
+
+def single_request(prompt_len: int = 128, output_len: int = 128, seed: int = 0,
+                   vocab: range | list[int] = range(100, 49000)) -> Workload:
+    """One request, a prompt of random ids and an output of a set length: a latency measurement."""
+    rng = random.Random(seed)
+    return Workload("single-request", [WorkloadRequest(_random_tokens(rng, prompt_len, vocab), output_len)])
 
 
 WORKLOADS = {"sharegpt-like": sharegpt_like, "decode-heavy": decode_heavy, "long-prompt": long_prompt,

@@ -281,6 +281,23 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
                 args.json, {"workload": workload.describe(), "results": [r.summary() for r in results]})
 
 
+def cmd_bench_latency(args: argparse.Namespace) -> None:
+    from pagedserve.bench.latency import markdown_table, ratios, run_latency_bench
+
+    bandwidth_bytes = int(args.bandwidth_gib * 2**30)
+    workload, results, bandwidth, bandwidth_read = run_latency_bench(
+        args.systems.split(","), args.quantization.split(","), prompt_len=args.prompt_len, output_len=args.output_len,
+        reps=args.reps, seed=args.seed, model=args.model, dtype=args.dtype, llamacpp_python=args.llamacpp_python,
+        llamacpp_threads=[int(n) for n in args.llamacpp_threads.split(",")] if args.llamacpp_threads else None,
+        vllm_python=args.vllm_python, hf_model_dir=args.hf_model_dir, bandwidth_bytes=bandwidth_bytes)
+    table = markdown_table(workload, results, bandwidth, bandwidth_bytes, bandwidth_read)
+    table = "\n\n".join([table, *ratios(results)])
+    print(table)
+    save_report(args.out_dir, "bench_latency", table, None, args.json,
+                {"workload": workload.to_json(), "read_bandwidth_bytes_per_s": bandwidth, "read_bandwidth_by": bandwidth_read,
+                 "results": [r.summary() for r in results]})
+
+
 def ceiling_note(results, dtype: str = "float32") -> str:
     """pagedserve's total tokens/s against this machine's matmul ceiling for the model in `dtype`."""
     import torch
@@ -594,6 +611,30 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--out-dir", default="docs")
     thr.add_argument("--json", default=None)
     thr.set_defaults(func=cmd_bench_throughput)
+
+    lat = bench.add_parser("latency", help="one request at a time: time to first token and decode speed, "
+                           "against llama.cpp, vLLM and the memory-bandwidth bound")
+    lat.add_argument("--systems", default="pagedserve,llamacpp", help="comma list of pagedserve, llamacpp, vllm")
+    lat.add_argument("--quantization", default="auto",
+                     help="pagedserve's weight formats, a comma list of auto, none, int8, int4: a row each")
+    lat.add_argument("--model", default=None, help="pagedserve's checkpoint, and llama.cpp's when a .gguf "
+                     "(default: the embedded GGUF)")
+    lat.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="pagedserve's dtype")
+    lat.add_argument("--prompt-len", type=positive(int), default=128)
+    lat.add_argument("--output-len", type=positive(int), default=128, help="greedy output tokens (at least 2)")
+    lat.add_argument("--reps", type=positive(int), default=3, help="timed requests per system, after a warm-up")
+    lat.add_argument("--seed", type=int, default=0, help="for the prompt's token ids")
+    lat.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python installed")
+    lat.add_argument("--llamacpp-threads", default=None,
+                     help="comma list of llama.cpp thread counts, a row each (default: torch's thread count)")
+    lat.add_argument("--vllm-python", default=None, help="a Python with vllm installed (its own venv)")
+    lat.add_argument("--hf-model-dir", default=None,
+                     help="the model as an HF directory for vLLM (the embedded model: pagedserve export-hf)")
+    lat.add_argument("--bandwidth-gib", type=positive(float), default=1.0,
+                     help="size of the tensor whose summing measures the read bandwidth")
+    lat.add_argument("--out-dir", default=None, help="write bench_latency.md here")
+    lat.add_argument("--json", default=None)
+    lat.set_defaults(func=cmd_bench_latency)
 
     pre = bench.add_parser("prefix", help="shared-prefix workload with prefix caching on vs off")
     pre.add_argument("--num-requests", type=int, default=32)

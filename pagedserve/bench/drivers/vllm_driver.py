@@ -1,6 +1,7 @@
 """Runs a pagedserve benchmark workload on vLLM. Executed by vLLM's own Python (its own virtual
 environment), so it imports nothing from pagedserve. Usage: vllm_driver.py SPEC.json REPORT.json;
-writes the report (seconds per repetition, output tokens) to REPORT.json: vLLM's own logs go to stdout."""
+writes the report (seconds per repetition, output tokens; with "mode": "latency" in the spec, each
+request's time to first token and decode speed) to REPORT.json: vLLM's own logs go to stdout."""
 
 import json
 import sys
@@ -24,6 +25,13 @@ def main() -> None:
     params = [SamplingParams(n=r["n"], max_tokens=r["output_len"], ignore_eos=True,
                              temperature=0.0 if r["n"] == 1 else 1.0, seed=i) for i, r in enumerate(requests)]
 
+    report = latency(llm, prompts, params, spec["reps"]) if spec.get("mode") == "latency" else \
+        throughput(llm, prompts, params, spec["reps"])
+    with open(sys.argv[2], "w") as f:
+        json.dump({**report, "note": f"vLLM {vllm.__version__}, {dtype}", "startup_s": startup_s}, f)
+
+
+def throughput(llm, prompts, params, reps: int) -> dict:
     token_ids = []
 
     def run():
@@ -34,14 +42,51 @@ def main() -> None:
 
     run()  # warm-up
     seconds, produced = [], 0
-    for _ in range(spec["reps"]):
+    for _ in range(reps):
         start = time.perf_counter()
         produced = run()
         seconds.append(time.perf_counter() - start)
-    with open(sys.argv[2], "w") as f:
-        json.dump({"seconds": seconds, "output_tokens": produced, "note": f"vLLM {vllm.__version__}, {dtype}",
-                   "startup_s": startup_s, "token_ids": token_ids}, f)
+    return {"seconds": seconds, "output_tokens": produced, "token_ids": token_ids}
 
+
+def latency(llm, prompts, params, reps: int) -> dict:
+    """One request at a time, stepped through vLLM's engine so that the first token's time is seen."""
+    (prompt,), (param,) = prompts, params
+    engine = llm.llm_engine
+
+    def one(request_id: str) -> tuple[float, float, list[int]]:
+        llm.reset_prefix_cache()  # the prompt is prefilled cold every time
+        start, first, tokens = time.perf_counter(), None, []
+        engine.add_request(request_id, prompt, param)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = list(out.outputs[0].token_ids)
+                if first is None and tokens:
+                    first = time.perf_counter()
+        end = time.perf_counter()
+        return first - start, (len(tokens) - 1) / (end - first), tokens
+
+    one("warm-up")
+    ttft, decode = [], []
+    for i in range(reps):
+        first, tps, tokens = one(str(i))
+        ttft.append(first)
+        decode.append(tps)
+    return {"ttft_s": ttft, "decode_tps": decode, "token_ids": tokens, "peak_rss_bytes": tree_peak_rss()}
+
+
+def tree_peak_rss() -> int:
+    """The sum of each process's peak resident memory, this one and its children (vLLM computes in a
+    worker process): an upper bound of the tree's peak."""
+    import os
+
+    import psutil
+
+    total = 0
+    for proc in [psutil.Process(os.getpid()), *psutil.Process(os.getpid()).children(recursive=True)]:
+        with open(f"/proc/{proc.pid}/status") as f:
+            total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return total
 
 if __name__ == "__main__":  # vLLM starts its engine core in a spawned process
     main()
