@@ -200,12 +200,19 @@ class TensorParallelExecutor:
             dead = self._dead_workers()
             if dead or isinstance(error, dist.DistError) or any(
                     s in str(error) for s in ("gloo", "NCCL", "Connection closed", "Timed out")):
-                raise self._fail(dead or repr(error)) from error
+                raise self._fail(dead or self._dead_workers(wait=1.0) or repr(error)) from error
             raise
 
-    def _dead_workers(self) -> str:
-        return "; ".join(f"worker rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
-                         for i, p in enumerate(self._processes) if not p.is_alive())
+    def _dead_workers(self, wait: float = 0.0) -> str:
+        """The workers that have exited, said in words; with `wait`, up to that many seconds for one
+        to be seen dead (a killed worker's socket can close before its exit is visible)."""
+        deadline = time.monotonic() + wait
+        while True:
+            dead = "; ".join(f"worker rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
+                             for i, p in enumerate(self._processes) if not p.is_alive())
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
 
     def _fail(self, reason: str) -> ExecutorFailed:
         """Mark the group broken, stop what is left of it, and return the error to raise."""
