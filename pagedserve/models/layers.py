@@ -177,9 +177,13 @@ class Linear(nn.Linear):
         self.quantized = weight
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """x @ W.T (+ bias), W dense or quantized."""
         if self.quantized is not None:
-            return self.quantized.linear(x, self.bias)
-        return linear(x, self.weight, self.bias, self.packed)
+            return self.quantized.linear(x, bias)
+        return linear(x, self.weight, bias, self.packed)
 
 
 class RowParallelLinear(Linear):
@@ -194,8 +198,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        partial = self.quantized.linear(x) if self.quantized is not None else linear(x, self.weight, None, self.packed)
-        out = self.tp.all_reduce(partial)
+        out = self.tp.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -216,24 +219,21 @@ class VocabParallelEmbedding(nn.Module):
         self.quantized, self.dtype = weight, dtype
 
     def forward(self, ids: Tensor) -> Tensor:
-        if self.quantized is not None:
-            return self._quantized_rows(ids)
         if self.tp.size == 1:
-            if fused_cpu.available(self.weight) and ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous():
-                return fused_cpu.gather_rows(self.weight, ids)  # one C call (csrc/fused_ops.c)
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = self.weight.shape[0] if self.quantized is None else self.quantized.shape[0]
+        outside = (local < 0) | (local >= rows)
+        out = self._rows(local.masked_fill(outside, 0))
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
-    def _quantized_rows(self, ids: Tensor) -> Tensor:
-        if self.tp.size == 1:
+    def _rows(self, ids: Tensor) -> Tensor:
+        """Rows `ids` of this rank's table."""
+        if self.quantized is not None:
             return self.quantized.rows(ids, self.dtype)
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.quantized.shape[0])
-        out = self.quantized.rows(local.masked_fill(outside, 0), self.dtype)
-        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+        if fused_cpu.available(self.weight) and ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous():
+            return fused_cpu.gather_rows(self.weight, ids)  # one C call (csrc/fused_ops.c)
+        return F.embedding(ids, self.weight)
 
 
 class GatedMLP(nn.Module):

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedserve.config import QUANTIZATIONS
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models import gguf_cache
 from pagedserve.models.config import ModelConfig, check_architecture
@@ -188,14 +189,15 @@ def load_model(
     else:
         tensors = _safetensors_tensors(Path(path))
     load_weights(net, tensors)
-    return net.requires_grad_(False).eval(), config
+    return net.requires_grad_(False).eval(), config  # inference only: never build autograd graphs
 
 
 def _runs_quantized(path: str, quantization: str, device: torch.device) -> bool:
     """Whether the weights load quantized; ValueError for a quantization this checkpoint or device
     cannot have."""
-    if quantization not in ("auto", "none", "int8", "int4"):
-        raise ValueError(f"quantization must be auto, none, int8 or int4; got {quantization!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be {', '.join(QUANTIZATIONS[:-1])} or {QUANTIZATIONS[-1]}; "
+                         f"got {quantization!r}")
     if quantization == "none" or (quantization == "auto" and not _is_gguf(path)):
         return False
     if quantization in ("int8", "int4") and _is_gguf(path):

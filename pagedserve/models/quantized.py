@@ -52,18 +52,24 @@ class QuantizedTensor:
     def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
         """Rows [start, start + length), or columns there (dim 1), which must be whole groups."""
         if dim == 0:
-            rows = slice(start, start + length)
-            return QuantizedTensor(self.format, self.codes[rows], self.scales[rows],
-                                   None if self.mins is None else self.mins[rows], self.group, self.bits)
+            return self.take_rows(slice(start, start + length))
         if start % self.group or length % self.group:
             raise ValueError(f"columns [{start}, {start + length}) cut through groups of {self.group}")
         groups = slice(start // self.group, (start + length) // self.group)
         return QuantizedTensor(self.format, self.codes[:, start:start + length], self.scales[:, groups],
                                None if self.mins is None else self.mins[:, groups], self.group, self.bits)
 
-    def permute_rows(self, order: np.ndarray) -> QuantizedTensor:
-        return QuantizedTensor(self.format, self.codes[order], self.scales[order],
-                               None if self.mins is None else self.mins[order], self.group, self.bits)
+    def take_rows(self, index: slice | np.ndarray) -> QuantizedTensor:
+        """The rows `index` selects (a slice, or an order of rows)."""
+        return QuantizedTensor(self.format, self.codes[index], self.scales[index],
+                               None if self.mins is None else self.mins[index], self.group, self.bits)
+
+    def zero_rows(self, count: int) -> QuantizedTensor:
+        """`count` rows of zero weights in this tensor's format (padding)."""
+        return QuantizedTensor(self.format, np.zeros((count, self.shape[1]), self.codes.dtype),
+                               np.zeros((count, self.scales.shape[1]), np.float32),
+                               None if self.mins is None else np.zeros((count, self.mins.shape[1]), np.float32),
+                               self.group, self.bits)
 
     def dequantize(self) -> np.ndarray:
         """The float32 weights (the same values the kernel uses)."""

@@ -88,7 +88,7 @@ def _unpermute_rows(value: QuantizedTensor | Tensor, heads: int) -> QuantizedTen
     the first half then the second."""
     rows = value.shape[0]
     order = np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
-    return value.permute_rows(order) if isinstance(value, QuantizedTensor) else value[torch.from_numpy(order)]
+    return value.take_rows(order) if isinstance(value, QuantizedTensor) else value[torch.from_numpy(order)]
 
 
 def quantized_safetensors(tensors: Iterable[tuple[str, object]], method: str) -> Iterator[tuple[str, object]]:
@@ -199,9 +199,5 @@ def _quantized_weight(param, parts: list[tuple[str, Target, QuantizedTensor]], e
             return None
         covered = target.start + target.rows
     if covered < param.shape[0]:  # the vocabulary's padding rows under tensor parallelism: zeros
-        last, pad = pieces[-1], param.shape[0] - covered
-        pieces.append(QuantizedTensor(last.format, np.zeros((pad, last.shape[1]), last.codes.dtype),
-                                      np.zeros((pad, last.scales.shape[1]), np.float32),
-                                      None if last.mins is None else np.zeros((pad, last.mins.shape[1]), np.float32),
-                                      last.group, last.bits))
+        pieces.append(pieces[-1].zero_rows(param.shape[0] - covered))
     return QuantizedWeight.of(pieces)
