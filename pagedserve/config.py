@@ -69,8 +69,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         import torch
 
-        from pagedserve.attention.kv_quant import FP8_DTYPE
-
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -91,14 +89,8 @@ class EngineConfig:
         self.distributed_executor_backend = resolve_executor_backend(self.distributed_executor_backend)
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
-        if self.calculate_kv_scales and self.kv_torch_dtype != FP8_DTYPE:
+        if self.calculate_kv_scales and self.kv_torch_dtype != torch.float8_e4m3fn:
             raise ValueError("calculate_kv_scales needs kv_cache_dtype='fp8'")
-        if self.kv_torch_dtype == FP8_DTYPE and self.attention_backend == "triton":
-            from pagedserve.attention.triton_paged import fp8_supported
-
-            reason = fp8_supported(torch.device(self.device))
-            if reason:
-                raise ValueError(reason)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -109,8 +101,6 @@ class EngineConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """The KV cache's element type (raises ValueError for an unknown kv_cache_dtype)."""
-        from pagedserve.attention.kv_quant import resolve_kv_cache_dtype
-
         return resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
@@ -173,12 +163,21 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" and triton_installed else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
-    if name == "triton":
-        if not triton_installed:
-            raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
-        from pagedserve.attention.triton_paged import available
+    if name == "triton" and not triton_installed:
+        raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
+    return name  # whether Triton runs on this device (and with this KV format) the backend checks itself
 
-        reason = available(device)
-        if reason:
-            raise ValueError(reason)
-    return name
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: "auto" (or the model's dtype by name) follows the model; "fp8" is
+    e4m3. Another float type than the model's is refused: the K/V written are the model's."""
+    import torch
+
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
+    if name.startswith("fp8"):
+        return torch.float8_e4m3fn
+    if name != "auto" and getattr(torch, name) != model_dtype:
+        raise ValueError(f"kv_cache_dtype={name!r} differs from the model's dtype ({model_dtype}): "
+                         "use 'auto' (the model's) or 'fp8'")
+    return model_dtype

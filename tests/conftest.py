@@ -81,8 +81,8 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def compiler_runs(monkeypatch) -> list[str]:
-    """The C libraries native.py builds from here on, by name, one entry per link."""
-    from pagedserve import native
+    """The C libraries ops/native.py builds from here on, by name, one entry per link."""
+    from pagedserve.ops import native
 
     runs, real_run = [], native.subprocess.run
 

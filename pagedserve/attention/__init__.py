@@ -49,14 +49,22 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """The backend an engine configured with attention_backend=`name` runs ("torch" or "triton")."""
+def get_backend(name: str, device: torch.device | None = None, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend an engine configured with attention_backend=`name` runs ("torch" or "triton").
+    Given the engine's device and KV element type, a backend that cannot run them is a ValueError
+    that says why (the config names a backend; the backend knows what it supports)."""
     if name == "torch":
         from pagedserve.attention.sdpa import SdpaBackend
 
         return SdpaBackend()
     if name == "triton":
-        from pagedserve.attention.triton_paged import TritonBackend
+        from pagedserve.attention.triton_paged import TritonBackend, available, fp8_supported
 
+        if device is not None:
+            import torch
+
+            reason = available(device) or (kv_dtype == torch.float8_e4m3fn and fp8_supported(device))
+            if reason:
+                raise ValueError(reason)
         return TritonBackend()
     raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")

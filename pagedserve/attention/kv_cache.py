@@ -21,7 +21,7 @@ from torch import Tensor
 from pagedserve import hugepages
 from pagedserve.attention.kv_quant import as_bytes, dequantize, is_fp8, quantize
 from pagedserve.kv.sizes import kv_bytes_per_token
-from pagedserve.models import fused_cpu
+from pagedserve.ops import fused_cpu
 
 
 class KVCache(NamedTuple):
@@ -77,7 +77,7 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
         slots = cache.view(-1, *cache.shape[2:])
         rows_whole = x[0:1].is_contiguous() and slot_mapping.is_contiguous()
         if fused_cpu.available(x) and x.dtype == cache.dtype and rows_whole:
-            fused_cpu.scatter_rows_(slots, slot_mapping, x)  # one C call (csrc/fused_ops.c)
+            fused_cpu.scatter_rows_(slots, slot_mapping, x)  # one C call (ops/csrc/fused_ops.c)
         else:
             as_bytes(slots).index_copy_(0, slot_mapping, as_bytes(x))
 

@@ -15,24 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pagedserve.config import KV_CACHE_DTYPES
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 CALIBRATION_HEADROOM = 2.0
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's element type: "auto" (or the model's dtype by name) follows the model; "fp8" is
-    e4m3. Another float type than the model's is refused: the K/V written are the model's."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    if name.startswith("fp8"):
-        return FP8_DTYPE
-    if name != "auto" and getattr(torch, name) != model_dtype:
-        raise ValueError(f"kv_cache_dtype={name!r} differs from the model's dtype ({model_dtype}): "
-                         "use 'auto' (the model's) or 'fp8'")
-    return model_dtype
 
 
 def is_fp8(cache: Tensor) -> bool:

@@ -4,7 +4,7 @@ Same contract and results as `torch_ref.paged_attention` (the oracle it is teste
 fewer and cheaper ops per layer. Its metadata (`SdpaMetadata`) splits the step into one-token
 requests (decodes), batched, and the others, one at a time (`BatchedDecodeMetadata`):
 - on CPU in float32 or bfloat16 (any cache type), one-token requests (decodes) run in the C
-  kernel of `cpu_kernel`, which reads K/V in place through the block tables;
+  kernel of `cpu_attention`, which reads K/V in place through the block tables;
 - elsewhere (another dtype or device, no C compiler) decodes run through torch's fused
   scaled_dot_product_attention in a few groups of similar context length
   (`SdpaMetadata.decode_groups`): little padding, and each group's K/V, gathered a whole
@@ -12,7 +12,7 @@ requests (decodes), batched, and the others, one at a time (`BatchedDecodeMetada
   strided views, stays in cache while SDPA reads it. Within a group, the query heads that share a
   KV head are that head's query rows, so grouped-query attention copies nothing;
 - on CPU, multi-token requests (prompts, chunks behind cached tokens) run all together in the C
-  prefill kernel of `cpu_kernel` (flash-style tiles read through the block tables);
+  prefill kernel of `cpu_attention` (flash-style tiles read through the block tables);
 - elsewhere, multi-token requests run one at a time through torch's fused attention (scores never
   materialised; `_attend_prompt`);
 - masks are built once per step by the first layer and reused by the others (`md.masks`);
@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedserve.attention import cpu_kernel
 from pagedserve.attention.kv_cache import gather_blocks, store_kv, unit_scales
 from pagedserve.attention.metadata import BatchedDecodeMetadata, static_decode_fields
 from pagedserve.kv.sizes import cdiv
+from pagedserve.ops import cpu_attention
 
 # A decode group ends where a request's context falls below DECODE_GROUP_RATIO of the group's
 # longest (padding then wastes under 20% of the K/V a group reads), or where it would hold more
@@ -127,16 +127,16 @@ def paged_attention(
     k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # one row per block
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
 
-    if md.num_decodes and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
-        cpu_kernel.decode_attention(q, k_cache, v_cache, out, md.decode_token_indices, md.decode_block_tables,
+    if md.num_decodes and cpu_attention.supports(q, k_cache) and cpu_attention.load() is not None:
+        cpu_attention.decode_attention(q, k_cache, v_cache, out, md.decode_token_indices, md.decode_block_tables,
                                     md.decode_seq_lens, scale, sliding_window, kv_scales)
     elif md.num_decodes:
         _decode_in_groups(q, k_blocks, v_blocks, kv_scales, out, md, num_kv_heads, scale, sliding_window)
 
     qsl, prefills = md.query_start_loc_cpu, md.prefill_req_indices
-    if prefills and cpu_kernel.supports(q, k_cache) and cpu_kernel.load() is not None:
+    if prefills and cpu_attention.supports(q, k_cache) and cpu_attention.load() is not None:
         q_starts, num_new, seq_lens, tables = md.prefill_kernel_batch
-        cpu_kernel.prefill_attention(q.contiguous(), k_cache, v_cache, out, q_starts, num_new, tables,
+        cpu_attention.prefill_attention(q.contiguous(), k_cache, v_cache, out, q_starts, num_new, tables,
                                      seq_lens, scale, sliding_window, kv_scales)
         prefills = []
     for i in prefills:

@@ -47,10 +47,10 @@ import zmq
 
 from pagedserve.bench.profile import Timers
 from pagedserve.config import EngineConfig
+from pagedserve.core.messages import CoreStats, EngineCoreOutputs
+from pagedserve.core.sampler import SamplingBatch
 from pagedserve.engine.async_engine import RequestTracker
-from pagedserve.engine.core_messages import CoreStats, EngineCoreOutputs
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.sampler import SamplingBatch
 from pagedserve.kv.kv_cache_manager import cdiv
 from pagedserve.models.config import ModelConfig
 from pagedserve.sampling_params import SamplingParams

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from pagedserve.bench.workload import sharegpt_like
 from pagedserve.config import EngineConfig
+from pagedserve.core.sampler import SamplingBatch
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.sampler import SamplingBatch
 from pagedserve.models.layers import PackedWeight, linear
 from pagedserve.sampling_params import SamplingParams
 

@@ -32,7 +32,7 @@ def run_structured_bench(num_requests: int = 64, max_tokens: int = 160, reps: in
 
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.engine.structured_output import apply_bitmask
+    from pagedserve.structured_output.manager import apply_bitmask
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.models.loader import load_model, load_tokenizer
     from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams

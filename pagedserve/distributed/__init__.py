@@ -1,2 +1,3 @@
-"""Tensor parallelism across processes on torch.distributed: the group a model's layers talk in
-(`group.py`), the worker processes (`worker.py`) and the executor that drives them (`executor.py`)."""
+"""The tensor-parallel process group the model's layers talk in (`group.py`), on torch.distributed.
+The worker processes are in `worker/tp_worker.py`, the executor that drives them in
+`executor/tensor_parallel.py`."""

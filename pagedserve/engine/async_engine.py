@@ -21,9 +21,9 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from pagedserve.engine.core_messages import CoreStats
-from pagedserve.engine.executor import HEALTH_CHECK_INTERVAL, ExecutorFailed
+from pagedserve.core.messages import CoreStats
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.executor.base import HEALTH_CHECK_INTERVAL, ExecutorFailed
 from pagedserve.kv import KVCacheStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import ParameterError, SamplingParams

@@ -41,11 +41,11 @@ import zmq
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import (EngineError, EngineStatsSnapshot, EngineUnavailable, RequestStream,
                                             RequestTracker)
-from pagedserve.engine.core import validate_prompt
-from pagedserve.engine.core_messages import (AbortRequests, CoreCommand, CoreFailed, CoreMessage, CoreReady,
+from pagedserve.core.engine_core import validate_prompt
+from pagedserve.core.messages import (AbortRequests, CoreCommand, CoreFailed, CoreMessage, CoreReady,
                                              CoreStats, EngineCoreOutputs, EngineCoreRequest, Shutdown,
                                              StopSamples)
-from pagedserve.engine.core_process import run_engine_core
+from pagedserve.core.core_process import run_engine_core
 from pagedserve.engine.llm_engine import tokenizer_eos_ids
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.outputs import RequestOutput

@@ -11,12 +11,12 @@ from __future__ import annotations
 import itertools
 import time
 
-from pagedserve import native
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineCore, EngineStats
-from pagedserve.engine.core_messages import EngineCoreRequest
+from pagedserve.core.engine_core import EngineCore, EngineStats
+from pagedserve.core.messages import EngineCoreRequest
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.kv import KVCacheStats
+from pagedserve.ops import native
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.text import check_unicode

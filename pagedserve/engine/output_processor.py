@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.engine.core_messages import SampleOutput, TokenLogprobs
+from pagedserve.core.messages import SampleOutput, TokenLogprobs
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedserve.sampling_params import SamplingParams

@@ -740,7 +740,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
-    from pagedserve.distributed.worker import run_from_env
+    from pagedserve.worker.tp_worker import run_from_env
 
     run_from_env(args.distributed_timeout)
 

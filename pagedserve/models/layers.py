@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedserve.distributed.group import TPGroup
-from pagedserve.models import cpu_linear, fused_cpu
 from pagedserve.models.quantized import QuantizedWeight
+from pagedserve.ops import cpu_linear, fused_cpu
 
 
 class RMSNorm(nn.Module):
@@ -112,7 +112,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class PackedWeight:
     """A weight's copies in the layouts the CPU matmuls read: oneDNN's blocked layout, and
-    csrc/linear.c's panels (`cpu_linear.pack`). Each is made on first use and remade whenever the
+    ops/csrc/linear.c's panels (`cpu_linear.pack`). Each is made on first use and remade whenever the
     weight is replaced or written. oneDNN's is packed for batches of about ONEDNN_ROWS rows (a hint:
     any row count works): the 120 layer matmuls of the embedded model's shapes at 64 rows took 74 ms
     packed, 88 ms from a plain oneDNN copy, on the 2-core test machine."""
@@ -139,13 +139,13 @@ class PackedWeight:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight) -> Tensor:
-    """x @ weight.T + bias. On CPU, a few rows (decode) go through csrc/linear.c, which streams
+    """x @ weight.T + bias. On CPU, a few rows (decode) go through ops/csrc/linear.c, which streams
     the weights once per call: at 16 rows 1.56x (bfloat16) and 1.41x (float32) the speed of
     oneDNN's GEMM on an AVX-512 test machine (docs/benchmarks.md). More rows go through oneDNN with
     the weight kept in its blocked layout, in float32 and where the CPU has bf16 instructions also
     in bfloat16: 1.1x (large batches) to 2x (a few tokens) the speed of torch's default CPU matmul
     in float32, 1.2x at 64 rows in bfloat16. Where oneDNN cannot pack the dtype (bfloat16 without
-    those instructions) csrc/linear.c takes every row count. Same arithmetic up to rounding; each
+    those instructions) ops/csrc/linear.c takes every row count. Same arithmetic up to rounding; each
     path costs a copy of the weights it reads, made on first use."""
     onednn = x.device.type == "cpu" and x.dtype == weight.dtype and _onednn_packs(x.dtype)
     if cpu_linear.supports(x, weight, cpu_linear.MAX_ROWS if onednn else None):
@@ -163,7 +163,7 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear` (csrc/linear.c or oneDNN on CPU in float32 and bfloat16), or
+    """nn.Linear through `linear` (ops/csrc/linear.c or oneDNN on CPU in float32 and bfloat16), or
     through its quantized weight where the loader gave it one (`quantize`: then `weight` is None)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -232,7 +232,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.quantized is not None:
             return self.quantized.rows(ids, self.dtype)
         if fused_cpu.available(self.weight) and ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous():
-            return fused_cpu.gather_rows(self.weight, ids)  # one C call (csrc/fused_ops.c)
+            return fused_cpu.gather_rows(self.weight, ids)  # one C call (ops/csrc/fused_ops.c)
         return F.embedding(ids, self.weight)
 
 

@@ -204,7 +204,7 @@ def _runs_quantized(path: str, quantization: str, device: torch.device) -> bool:
         raise ValueError(f"quantization={quantization!r} quantizes a float checkpoint (safetensors); {path} is a "
                          "GGUF, whose own formats run with quantization='auto'")
     if device.type != "cpu" or not quantized_kernels_available():
-        where = f"on {device.type}" if device.type != "cpu" else "without a C compiler for csrc/quant_linear.c"
+        where = f"on {device.type}" if device.type != "cpu" else "without a C compiler for ops/csrc/quant_linear.c"
         if quantization != "auto":
             raise ValueError(f"quantization={quantization!r} runs on CPU only, not {where}")
         logger.warning("quantized GGUF weights have no kernel %s: every weight is dequantized at load", where)

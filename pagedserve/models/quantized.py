@@ -6,7 +6,7 @@ scale and maybe a min per output row: w = q * scale + min (`QuantizedTensor`). A
 unpacked into that form (`from_gguf`), a float one quantized into it (`quantize_int8`,
 `quantize_int4`); narrowed for tensor parallelism (rows, or input features in whole groups); then
 `QuantizedWeight` packs it into the kernel's tiles and multiplies by it. The values the kernel uses
-are exactly gguf-py's dequantized ones (csrc/quant_linear.c says why).
+are exactly gguf-py's dequantized ones (ops/csrc/quant_linear.c says why).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from pagedserve import native
+from pagedserve.ops import native
 
-COLS = 16  # output rows of W per panel, as in csrc/quant_linear.c
+COLS = 16  # output rows of W per panel, as in ops/csrc/quant_linear.c
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 # GGUF type name -> (elements per block, bytes per block) for the formats unpacked here.
@@ -232,7 +232,7 @@ def _code_bytes(bits: int) -> int:
 
 
 def pack(t: QuantizedTensor) -> tuple[Tensor, bool]:
-    """(tiles as a uint8 tensor, whether scales are float16): csrc/quant_linear.c's layout."""
+    """(tiles as a uint8 tensor, whether scales are float16): ops/csrc/quant_linear.c's layout."""
     rows, cols = t.shape
     panels, groups = -(-rows // COLS), cols // t.group
     pad = panels * COLS - rows
@@ -264,7 +264,7 @@ def pack(t: QuantizedTensor) -> tuple[Tensor, bool]:
 
 @functools.cache
 def load(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
-    """csrc/quant_linear.c, or None where it cannot be built (quantized weights are then widened)."""
+    """ops/csrc/quant_linear.c, or None where it cannot be built (quantized weights are then widened)."""
     lib = native.optional_library("quant_linear", "quantized weights are dequantized at load",
                                   None if flags is None else list(flags))
     if lib is None:

@@ -6,20 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.attention import cpu_kernel, kv_quant, sdpa, torch_ref, triton_paged
+from pagedserve.attention import kv_quant, sdpa, torch_ref, triton_paged
 from pagedserve.attention.kv_quant import FP8_DTYPE, quantize
+from pagedserve.config import resolve_kv_cache_dtype
+from pagedserve.ops import cpu_attention
 from tests.attention.test_triton_paged import mixed_step
 
 
 def test_cache_dtype_names():
-    assert kv_quant.resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
-    assert kv_quant.resolve_kv_cache_dtype("fp8", torch.float32) == FP8_DTYPE
-    assert kv_quant.resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16) == FP8_DTYPE
-    assert kv_quant.resolve_kv_cache_dtype("float32", torch.float32) == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("fp8", torch.float32) == FP8_DTYPE
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16) == FP8_DTYPE
+    assert resolve_kv_cache_dtype("float32", torch.float32) == torch.float32
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        kv_quant.resolve_kv_cache_dtype("int4", torch.float32)
+        resolve_kv_cache_dtype("int4", torch.float32)
     with pytest.raises(ValueError, match="differs from the model's dtype"):  # the K/V written are the model's
-        kv_quant.resolve_kv_cache_dtype("float16", torch.float32)
+        resolve_kv_cache_dtype("float16", torch.float32)
 
 
 def test_rounding_error_and_saturation():
@@ -68,7 +70,7 @@ def test_oracle_on_fp8_stays_close_to_float32():
 @pytest.mark.parametrize("path", ["c-kernel", "sdpa-groups", "triton", "triton-split"])
 def test_backends_read_and_write_fp8_as_the_oracle(path, monkeypatch):
     if path == "sdpa-groups":  # the fallback when the C kernel cannot run
-        monkeypatch.setattr(cpu_kernel, "supports", lambda q, k_cache: False)
+        monkeypatch.setattr(cpu_attention, "supports", lambda q, k_cache: False)
     if path == "triton-split":  # decodes split over parts of 16 tokens, then merged
         monkeypatch.setattr(triton_paged, "PARTITION_TOKENS", 16)
         monkeypatch.setattr(triton_paged, "SPLIT_BELOW_PROGRAMS", 1000)

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.attention import cpu_kernel, kv_cache, sdpa, torch_ref
+from pagedserve.attention import kv_cache, sdpa, torch_ref
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.ops import cpu_attention
 
 
 @st.composite
@@ -62,10 +63,10 @@ def test_sdpa_matches_the_oracle(decode_path, step):
         mp.setattr(sdpa, "DECODE_GROUP_MAX_KEYS", max_keys)
         md = sdpa.SdpaBackend().build_metadata(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size)
         if decode_path == "sdpa":
-            mp.setattr(cpu_kernel, "load", lambda: None)
+            mp.setattr(cpu_attention, "load", lambda: None)
         else:
-            assert cpu_kernel.load() is not None, "the C kernel must build wherever the tests run"
-            assert cpu_kernel.supports(q, k_cache)
+            assert cpu_attention.load() is not None, "the C kernel must build wherever the tests run"
+            assert cpu_attention.supports(q, k_cache)
         run_step(q, k, v, k_cache, v_cache, md, tables, reqs, windows)
 
 
@@ -104,7 +105,7 @@ def test_bfloat16_prompts_on_both_paths(monkeypatch, path, computed, window):
     # A bfloat16 prompt (whole, or a chunk behind cached tokens) in the C prefill kernel or in
     # torch's fused attention agrees with the float32 oracle to bfloat16's rounding.
     if path == "fused":
-        monkeypatch.setattr(cpu_kernel, "load", lambda: None)
+        monkeypatch.setattr(cpu_attention, "load", lambda: None)
     gen = torch.Generator().manual_seed(computed)
     reqs = [(computed, 19), (30, 1)]
     tables, k_cache, v_cache, q, k, v = random_step(reqs, 4, 2, 6, 16, gen)

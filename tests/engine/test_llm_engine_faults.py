@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import find_culprits
+from pagedserve.core.engine_core import find_culprits
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pagedserve.engine.core_messages import SampleOutput, TokenLogprobs
+from pagedserve.core.messages import SampleOutput, TokenLogprobs
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import SamplingParams

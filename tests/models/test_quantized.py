@@ -1,4 +1,4 @@
-"""The quantized weight formats and csrc/quant_linear.c, against gguf-py's own dequantizers and a
+"""The quantized weight formats and ops/csrc/quant_linear.c, against gguf-py's own dequantizers and a
 plain dequantize-then-matmul in torch, in the SIMD build this CPU gets and in the portable C build."""
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from pagedserve import __version__, heap
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.async_llm import DEFAULT_MAX_RESTARTS, DEFAULT_STALL_TIMEOUT, AsyncLLM
-from pagedserve.engine.structured_output import load_xgrammar
 from pagedserve.entrypoints.openai import http_server
 from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, default_max_body_bytes, prompt_bound
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
+from pagedserve.structured_output.manager import load_xgrammar
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
     ModelList, ResponseModel, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,

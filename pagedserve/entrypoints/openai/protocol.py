@@ -24,8 +24,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagedserve.engine.grammar_check import parse_schema, rebase_refs
 from pagedserve.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
+from pagedserve.structured_output.grammar_check import parse_schema, rebase_refs
 from pagedserve.text import check_unicode
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs

@@ -11,8 +11,8 @@ from contextlib import aclosing
 from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
-from pagedserve.engine.structured_output import check_grammar
 from pagedserve.entrypoints.openai.limits import RequestWork
+from pagedserve.structured_output.manager import check_grammar
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage, DeltaFunctionCall,

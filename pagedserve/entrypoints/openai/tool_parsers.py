@@ -413,7 +413,7 @@ class Llama3JsonToolParser(ToolParser):
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
 
 # Whitespace allowed between two JSON tokens of constrained arguments (as JSON_MAX_WHITESPACE in
-# engine/structured_output.py: unbounded, a small model can write newlines until max_tokens).
+# structured_output/manager.py: unbounded, a small model can write newlines until max_tokens).
 TAG_MAX_WHITESPACE = 1
 
 # `--tool-call-parser auto`: the parser whose call syntax the chat template writes, by a marker only

@@ -204,7 +204,7 @@ def test_tool_choice_required_takes_pydantic_schemas_with_refs(server):
 
 def test_a_tools_own_refs_mean_its_parameters_inside_the_calls_schema():
     """"#" in a tool's parameters is those parameters, not the server's array of calls around them."""
-    from pagedserve.engine.structured_output import check_grammar
+    from pagedserve.structured_output.manager import check_grammar
     from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 
     linked = {"type": "object", "properties": {"label": {"type": "string"},

@@ -1,0 +1,528 @@
+"""EngineCore: the scheduler, the KV manager, an executor and the sampler. Token ids in, token ids out.
+
+One step: the scheduler plans, the executor runs the forward pass, the sampler picks a token for
+every request whose known tokens are all computed, and the core appends it and applies the stop
+conditions it can judge on token ids (EOS, stop tokens, lengths). A request that asks for prompt
+logprobs also has its prompt positions scored, chunk by chunk; they are sent once, with its first
+token. Text is the front's business (`output_processor.py`): detokenization, stop strings,
+logprob text, output assembly. The front tells the core when a stop string ended a sample
+(`stop_samples`).
+
+The core runs in the caller's process (`LLM`, tests, the in-thread server) or in a process of
+its own (`core_process.py`); it never sees text or a socket. Its one use of a tokenizer is the
+vocabulary that grammars compile against (`structured_output.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_for_futures
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.messages import CoreStats, EngineCoreRequest, SampleOutput, TokenLogprobs
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts, gather_logprobs
+from pagedserve.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.executor import make_executor
+from pagedserve.executor.base import Executor, ExecutorFailed
+from pagedserve.kv import KVCacheManager, KVCacheStats
+from pagedserve.models.loader import load_tokenizer
+from pagedserve.models.sharding import kv_heads_per_rank
+from pagedserve.ops import native
+from pagedserve.sampling_params import ParameterError
+from pagedserve.structured_output.manager import GrammarJob, StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+# How long an idle step waits for a grammar to compile before it returns (to read commands).
+GRAMMAR_POLL_SECONDS = 0.02
+
+
+@dataclass
+class _StepResult:
+    """What a step computed, before it is applied."""
+
+    samplers: list[Request]  # the requests that take a token this step
+    sampled: SamplerOutput | None  # aligned with samplers (None when there are none)
+    # The prompt positions this step scored, per request that asked: entries to append.
+    prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]] = field(default_factory=list)
+
+
+def find_culprits(rows: list[int], error: Exception,
+                  fails: Callable[[list[int]], Exception | None]) -> dict[int, Exception]:
+    """`rows` fail together with `error`; `fails(part)` runs a part alone and returns its error.
+    Bisect down to the rows that fail alone, each with its error. Rows that fail only together
+    (no smaller part fails) are all returned: the fault cannot be pinned on fewer."""
+    if len(rows) == 1:
+        return {rows[0]: error}
+    half = len(rows) // 2
+    culprits: dict[int, Exception] = {}
+    for part in (rows[:half], rows[half:]):
+        part_error = fails(part)
+        if part_error is not None:
+            culprits.update(find_culprits(part, part_error, fails))
+    return culprits or dict.fromkeys(rows, error)
+
+
+def validate_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """ValueError unless the prompt is 1..max_model_len token ids of the vocabulary."""
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    if len(token_ids) > max_model_len:
+        raise ValueError(f"the prompt is {len(token_ids)} tokens long, longer than max_model_len ({max_model_len})")
+    bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}")
+
+
+@dataclass
+class EngineStats:
+    """Running totals since the engine started."""
+
+    num_requests: int = 0  # finished user requests
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    busy_seconds: float = 0.0  # time spent inside step()
+    peak_used_blocks: int = 0
+    kv_at_peak: KVCacheStats | None = None  # the pool when it was fullest
+
+    @property
+    def generation_throughput(self) -> float:
+        return self.num_generation_tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, eos_token_ids: Iterable[int] = (), model=None,
+                 executor: Executor | None = None, tokenizer=None) -> None:
+        """`model` = (module, ModelConfig) may be passed in to share loaded weights. The EOS ids
+        are the model's plus `eos_token_ids` (the tokenizer's, which the front knows). The
+        `tokenizer`'s vocabulary compiles grammars; without one, the first constrained request
+        loads the checkpoint's."""
+        self.config = config
+        if config.device == "cpu":
+            native.build_ahead()  # a cold start compiles the C kernels while the weights load
+        self.executor = executor or make_executor(config, model)
+        self.model_config = model_config = self.executor.model_config
+        model_max_len = model_config.max_position_embeddings
+        config.check_max_model_len(model_max_len)  # before a profiling pass runs that long a prompt
+        measured = self.executor.measure_kv_budget(config.max_model_len or model_max_len) \
+            if config.measures_kv_budget else None
+        # Under tensor parallelism a block holds each rank's share of the KV heads.
+        kv_heads = kv_heads_per_rank(model_config.num_kv_heads, config.tensor_parallel_size)
+        self.num_blocks, self.max_model_len = config.resolve_kv_pool(
+            model_config.kv_bytes_per_token(config.kv_torch_dtype, kv_heads), model_max_len, measured)
+        self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(seed=config.seed)
+        self.token_counts = TokenCounts(model_config.vocab_size, config.device)
+        self.eos_token_ids = set(model_config.eos_token_ids) | set(eos_token_ids)
+        self.structured_output = StructuredOutputManager(
+            model_config.vocab_size, self.eos_token_ids,
+            (lambda: tokenizer) if tokenizer is not None else (lambda: load_tokenizer(config.model)),
+            config.grammar_compile_timeout)
+        self._grammar_jobs: dict[str, GrammarJob] = {}  # user request id -> its grammar, compiling
+        self.stats = EngineStats()
+        self._groups: dict[str, list[Request]] = {}  # user request id -> its samples
+        self._pending_forks: dict[Hashable, list[Request]] = {}  # first sample -> samples to fork
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def warm_up(self) -> None:
+        """Run one step of the whole token budget on dummy prompts, before the first request. The
+        first step of a size pays once for what later ones reuse (memory for its activations, at
+        least): a fresh server's first 2,048-token step took 2.54 s, later ones 1.3-1.5 s. A server
+        runs this before it reports ready, so that its first burst does not pay; `LLM()` does not,
+        to keep its start short. Skipped with calculate_kv_scales: the first real step sets the
+        fp8 scales."""
+        if self.stats.num_steps or self._groups:  # free blocks may hold cached prefixes by now
+            raise RuntimeError("warm_up writes into the pool's first blocks: it must run before the first request")
+        if self.config.calculate_kv_scales:
+            return
+        num_tokens = min(self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size)
+        start = time.perf_counter()
+        self.executor.warm_up(num_tokens, self.max_model_len)
+        logger.info("warm-up step of %d tokens took %.2f s", num_tokens, time.perf_counter() - start)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; it joins the running batch at the next step. Bad input: ValueError
+        (the front validates first; the core checks again, as it may be reached by a socket)."""
+        request_id, token_ids, params = request.request_id, request.prompt_token_ids, request.params
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.verify_for_engine(self.vocab_size, self.scheduler.max_num_seqs, grammar=False)
+        self.validate_prompt(token_ids)
+        samples = []
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                # Each sample its own stream; the first uses the seed as given.
+                generator = torch.Generator(self.config.device).manual_seed((params.seed + i * 0x9E3779B1) % 2**63)
+            samples.append(Request((request_id, i), token_ids, params, group_id=request_id, sample_index=i,
+                                   generator=generator))
+        self._groups[request_id] = samples
+        if len(samples) > 1:
+            self._pending_forks[samples[0].request_id] = samples[1:]
+        if params.structured_outputs is None:
+            self.scheduler.add(samples[0])
+            return
+        # Checked and compiled off the step loop: the request joins the scheduler once it has its grammar.
+        self._grammar_jobs[request_id] = self.structured_output.submit(params.structured_outputs)
+        for sample in samples:
+            sample.status = RequestStatus.WAITING_FOR_GRAMMAR
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        validate_prompt(token_ids, self.max_model_len, self.vocab_size)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop requests at once, whatever their state, and free everything they hold."""
+        for request_id in request_ids:
+            self._end_group(self._groups.pop(request_id, []), RequestStatus.FINISHED_ABORTED)
+
+    def stop_samples(self, samples: Iterable[tuple[str, int]]) -> None:
+        """The front found a stop string in these samples: end them as stopped. Samples that
+        have ended meanwhile (by length, say, when the core runs ahead in its own process) are
+        left as they are."""
+        for request_id, index in samples:
+            group = self._groups.get(request_id)
+            if group is None or group[index].is_finished:
+                continue
+            self._pending_forks.pop(group[index].request_id, None)
+            self.scheduler.finish(group[index], RequestStatus.FINISHED_STOPPED)
+            self._end_if_done(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[SampleOutput]:
+        """Run one step; return what every sample that took a token, or failed, got.
+
+        A step that raises is contained: see `_contain_fault`. One that is interrupted (Ctrl-C)
+        before it commits is undone, then the interrupt goes on."""
+        start = time.perf_counter()
+        resolved = self._resolve_grammars() if self._grammar_jobs else []
+        plan = self.scheduler.schedule()
+        if not plan.requests:
+            if self._grammar_jobs and not resolved:  # nothing else to do: wait a little rather than spin
+                wait_for_futures([job.future for job in self._grammar_jobs.values()], GRAMMAR_POLL_SECONDS,
+                                 FIRST_COMPLETED)
+            return resolved
+        self._record_usage()
+        rows, samplers = self._samplers(plan)
+        # The generators this step may draw from, to replay it exactly after a fault.
+        states = [(r.generator, r.generator.get_state()) for r in samplers
+                  if r.generator is not None and not r.sampling_params.is_greedy]
+        try:
+            try:
+                result = self._compute(plan, rows, samplers)
+            except ExecutorFailed:
+                raise  # no step can run: nothing to contain
+            except Exception as error:
+                result, failed = self._contain_fault(plan, states, error)
+        except BaseException:
+            if not plan.undone:  # its prefix blocks must not stay findable, nor its slots reserved
+                self._restore_generators(states)
+                self.scheduler.undo_step(plan)
+            raise
+        if result is None:
+            outputs = [output for request, message in failed for output in self._fail(request, message)]
+        else:
+            outputs = self._commit(plan, result)
+        self.stats.num_steps += 1
+        self.stats.busy_seconds += time.perf_counter() - start
+        return resolved + outputs
+
+    def _resolve_grammars(self) -> list[SampleOutput]:
+        """Schedule the requests whose grammars have compiled; fail those whose grammars failed or
+        are late (their error outputs)."""
+        outputs = []
+        now = time.monotonic()
+        for request_id, job in list(self._grammar_jobs.items()):
+            if not job.future.done() and now < job.deadline:
+                continue
+            samples = self._groups[request_id]
+            del self._grammar_jobs[request_id]
+            try:
+                if not job.future.done():
+                    job.future.cancel()  # a compile that has not started yet never will
+                    raise job.timeout_error(self.structured_output.compile_timeout)
+                grammars = self.structured_output.matchers_for(job.future.result(), len(samples))
+            except ParameterError as e:
+                outputs += self._fail(samples[0], str(e), e.param)
+                continue
+            except Exception as e:
+                logger.exception("request %s: its grammar failed to compile", request_id)
+                outputs += self._fail(samples[0], f"the engine failed to compile this request's grammar: {e!r}")
+                continue
+            for sample, grammar in zip(samples, grammars):
+                sample.grammar = grammar
+                sample.status = RequestStatus.WAITING
+            self.scheduler.add(samples[0])
+        return outputs
+
+    def _samplers(self, plan: SchedulerOutput) -> tuple[list[int], list[Request]]:
+        """Who samples this step, and from which plan row: every request whose last known token
+        runs now, plus the samples that fork from it when it is a first sample producing its
+        first token."""
+        rows, samplers = [], []
+        for i, (request, n) in enumerate(zip(plan.requests, plan.num_new_tokens)):
+            if request.num_computed_tokens + n < request.num_tokens:
+                continue  # a prefill chunk with more to come
+            for sampler in (request, *self._pending_forks.get(request.request_id, ())):
+                rows.append(i)
+                samplers.append(sampler)
+        return rows, samplers
+
+    def _compute(self, plan: SchedulerOutput, rows: list[int], samplers: list[Request]) -> _StepResult:
+        """The part of a step that can fail: the forward pass and sampling. It changes no
+        request: only the K/V slots the plan reserved and the draws of the rows' generators."""
+        spans = self._prompt_spans(plan)
+        logits = self.executor.execute(plan, rows, spans)
+        self.token_counts.forget(plan.freed)
+        # The sampled rows' logits come first, then the prompt spans' (ModelRunner.execute).
+        prompt_logprobs = self._score_prompts(plan, spans, logits[len(rows):]) if spans else []
+        logits = logits[:len(rows)]
+        if not samplers:  # every request of the step is a prefill chunk with more to come
+            return _StepResult(samplers, None, prompt_logprobs)
+        batch = SamplingBatch.build(
+            [r.sampling_params for r in samplers], [r.prompt_token_ids for r in samplers],
+            [r.output_token_ids for r in samplers], [r.generator for r in samplers], self.eos_token_ids,
+            logits.device, self.token_counts, [r.request_id for r in samplers],
+            self.structured_output.bitmask([r.grammar for r in samplers], logits.device))
+        return _StepResult(samplers, self.sampler(logits, batch), prompt_logprobs)
+
+    @staticmethod
+    def _prompt_spans(plan: SchedulerOutput) -> list[tuple[int, int, int]]:
+        """The scheduled tokens whose logits score prompt tokens this step, as (plan row, first of
+        the row's tokens, count). The logits at position p score prompt token p + 1, so a prompt
+        of P tokens has P - 1 entries; positions scored before a preemption are not scored again."""
+        spans = []
+        for i, (request, n) in enumerate(zip(plan.requests, plan.num_new_tokens)):
+            scored = request.prompt_logprobs
+            if scored is None:
+                continue
+            start = request.num_computed_tokens
+            # Holds because such a request skips the prefix cache: no position goes unscored.
+            assert start <= len(scored), f"prompt positions {len(scored)}..{start} of {request} have no logits"
+            end = min(start + n, request.num_prompt_tokens - 1)
+            if len(scored) < end:
+                spans.append((i, len(scored) - start, end - len(scored)))
+        return spans
+
+    @staticmethod
+    def _score_prompts(plan: SchedulerOutput, spans: list[tuple[int, int, int]],
+                       logits: torch.Tensor) -> list[tuple[Request, list[TokenLogprobs]]]:
+        """The prompt logprobs of the spans (`logits`: theirs, in order): raw log_softmax, as for
+        sampled tokens."""
+        targets: list[int] = []
+        num_top: list[int | None] = []
+        for row, first, count in spans:
+            request = plan.requests[row]
+            position = request.num_computed_tokens + first
+            targets += request.prompt_token_ids[position + 1 : position + 1 + count]
+            num_top += [request.sampling_params.prompt_logprobs] * count
+        scored = gather_logprobs(logits, torch.tensor(targets, dtype=torch.long, device=logits.device), num_top)
+        entries = [TokenLogprobs(lp, rank, top)
+                   for lp, rank, top in zip(scored.logprobs, scored.ranks, scored.top_logprobs)]
+        result, k = [], 0
+        for row, _, count in spans:
+            result.append((plan.requests[row], entries[k : k + count]))
+            k += count
+        return result
+
+    def _commit(self, plan: SchedulerOutput, result: _StepResult) -> list[SampleOutput]:
+        """Apply a computed step: the tokens are in the cache, forks start, tokens are appended."""
+        self.scheduler.finish_step(plan)
+        for request, entries in result.prompt_logprobs:
+            request.prompt_logprobs += entries
+        for request in result.samplers:
+            for child in self._pending_forks.pop(request.request_id, ()):
+                self.scheduler.fork(request, child)
+        outputs = []
+        for k, request in enumerate(result.samplers):
+            if request.is_finished:
+                continue  # its group failed on an earlier row
+            try:
+                outputs.append(self._append_token(request, result.sampled, k))
+            except Exception as e:
+                logger.exception("request %s failed while taking its token", request.group_id)
+                outputs = [o for o in outputs if o.request_id != request.group_id]
+                outputs += self._fail(request, f"the engine failed on this request: {e!r}")
+        for group_id in dict.fromkeys(o.request_id for o in outputs if o.finish_reason is not None):
+            self._end_if_done(group_id)
+        return outputs
+
+    def _append_token(self, request: Request, sampled: SamplerOutput, j: int) -> SampleOutput:
+        token = sampled.token_ids[j]
+        params = request.sampling_params
+        request.append_token(token)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [TokenLogprobs(sampled.logprobs[j], sampled.ranks[j], sampled.top_logprobs[j] or [])]
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:
+            # Its first token: the prompt is computed and scored. Sent once; a recomputation
+            # after a preemption scores nothing again.
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+
+        # Stop conditions on token ids, in vLLM's order. None apply before min_tokens, except
+        # the length. Stop strings are the front's (it reads text).
+        status, stop_reason = None, None
+        num_out = len(request.output_token_ids)
+        if request.grammar is not None and not self._advance_grammar(request, token):
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing more may follow
+        elif num_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if status is None and (num_out >= max_tokens or request.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(request, status)
+        return SampleOutput(request.group_id, request.sample_index, [token], logprobs,
+                            status.value if status else None, stop_reason, request.num_cached_tokens or 0,
+                            prompt_logprobs=prompt_logprobs,
+                            scheduled_time=request.scheduled_time if num_out == 1 else None)
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> bool:
+        """Feed the sampled token to the request's grammar; False once the grammar has ended (it
+        took a stop token, or it admits no token at all: min_tokens blocked the stop tokens of a
+        complete grammar, say)."""
+        grammar = request.grammar
+        if not grammar.accept_token(token):
+            logger.warning("request %s: its grammar refused token %d; ending it", request.group_id, token)
+            return False
+        return not grammar.is_terminated()
+
+    # ---- faults --------------------------------------------------------------------------
+
+    def _contain_fault(self, plan: SchedulerOutput, states: list[tuple[torch.Generator, torch.Tensor]],
+                       error: Exception) -> tuple[_StepResult | None, list[tuple[Request, str]]]:
+        """A step raised. Run it once more (a transient fault passes, and its result is used);
+        if it fails again, find the requests that make it fail by bisecting the plan, undo the
+        step (every request in it is recomputed later, the prefix blocks it was to fill are
+        forgotten) and fail only those requests. Returns (a result to commit, or None; the
+        requests to fail with their messages)."""
+        logger.warning("engine step failed (%r); running it again to find the request at fault", error)
+        self._restore_generators(states)
+        try:
+            return self._compute(plan, *self._samplers(plan)), []
+        except ExecutorFailed:
+            raise
+        except Exception as again:
+            error = again
+
+        def fails(rows: list[int]) -> Exception | None:
+            part = plan.subset(rows)
+            self._restore_generators(states)
+            try:
+                self._compute(part, *self._samplers(part))
+            except ExecutorFailed:
+                raise
+            except Exception as e:
+                return e
+            return None
+
+        culprits = find_culprits(list(range(len(plan.requests))), error, fails)
+        self._restore_generators(states)
+        self.scheduler.undo_step(plan)
+        failed = []
+        for i, e in culprits.items():
+            request = plan.requests[i]
+            logger.error("request %s makes the engine fail; failing it alone", request.group_id,
+                         exc_info=(type(e), e, e.__traceback__))
+            failed.append((request, f"the engine failed on this request: {e!r}"))
+        return None, failed
+
+    @staticmethod
+    def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for generator, state in states:
+            generator.set_state(state)
+
+    def _fail(self, request: Request, message: str, param: str | None = None) -> list[SampleOutput]:
+        """End the request's whole group with an error: one output per sample, carrying `message`
+        and, when the request's own field is at fault, `param` (none if the group has ended
+        already: two of its samples were at fault)."""
+        samples = self._groups.pop(request.group_id, None)
+        if samples is None:
+            return []
+        self._end_group(samples, RequestStatus.FINISHED_ERROR)
+        self._count_finished(samples)
+        return [SampleOutput(r.group_id, r.sample_index, [], None, "error", None, r.num_cached_tokens or 0, message,
+                             error_param=param)
+                for r in samples]
+
+    def fail_all(self, message: str) -> list[SampleOutput]:
+        """End every request in flight with an error: their error outputs."""
+        outputs = []
+        for samples in list(self._groups.values()):
+            outputs += self._fail(samples[0], message)
+        return outputs
+
+    def _end_group(self, samples: list[Request], status: RequestStatus) -> None:
+        """End every sample of a group, whatever its state, and free what it holds."""
+        job = self._grammar_jobs.pop(samples[0].group_id, None) if samples else None
+        if job is not None:
+            job.future.cancel()  # unless it is compiling already: then its result only joins the cache
+        for request in samples:
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+                request.status = status  # never scheduled: it holds nothing
+            elif not request.is_finished:
+                self.scheduler.finish(request, status)
+            self._pending_forks.pop(request.request_id, None)
+
+    def _end_if_done(self, group_id: str) -> None:
+        samples = self._groups.get(group_id)
+        if samples is not None and all(r.is_finished for r in samples):
+            del self._groups[group_id]
+            self._count_finished(samples)
+
+    def _count_finished(self, samples: list[Request]) -> None:
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += len(samples[0].prompt_token_ids)
+        self.stats.num_generation_tokens += sum(len(r.output_token_ids) for r in samples)
+
+    def _record_usage(self) -> None:
+        """Called once a step is planned, when the pool is at its fullest for that step (the
+        requests that finish in it free their blocks before it ends)."""
+        stats = self.stats
+        used = self.kv.pool.num_used
+        if used > stats.peak_used_blocks:
+            stats.peak_used_blocks = used
+            stats.kv_at_peak = self.kv.stats()
+
+    # ---- figures -------------------------------------------------------------------------
+
+    def core_stats(self) -> CoreStats:
+        num_waiting = len(self.scheduler.waiting) + len(self._grammar_jobs)
+        return CoreStats(len(self.scheduler.running), num_waiting, self.kv.stats(),
+                         self.scheduler.num_preemptions)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing forgotten) while requests hold blocks."""
+        return self.kv.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        """Raise ExecutorFailed once no step can run (a tensor-parallel worker is gone)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers; the core runs no more steps."""
+        self.structured_output.shutdown()
+        self.executor.shutdown()

@@ -1,0 +1,180 @@
+"""One step's plan: continuous batching with chunked prefill and preemption by recomputation.
+
+Each step, under a token budget (`max_num_batched_tokens`) and a cap on running requests
+(`max_num_seqs`):
+1. running requests, oldest first, get their next token (decode) or their next prompt chunk;
+   when the pool cannot cover one, the most recently admitted running request is preempted
+   (its blocks freed, itself sent back to the front of the queue to be recomputed later);
+2. if nobody was preempted, waiting requests are admitted in arrival order while blocks,
+   budget and seats last; each may get its cached prefix for free and its first chunk.
+
+A request is computed up to all its known tokens; it produces a new token once the step that
+computes its last known token runs. Since max_model_len never exceeds the pool, a request
+alone always fits: preemption cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.kv import BlockCopy, KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan, as changes to what the model runner already holds: for each request its
+    whole block table when the table is new to the runner (`new_tables`: admitted, recomputed or
+    forked), else only the blocks from the one the step writes into first (a copy-on-write may
+    have replaced it) to the end; and the requests whose tables the runner may forget."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each request runs now
+    new_block_ids: list[list[int]] = field(default_factory=list)  # per request, see above
+    new_tables: list[bool] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, before writing
+    preempted: list[Request] = field(default_factory=list)
+    freed: list[Hashable] = field(default_factory=list)  # ids whose blocks were freed since the last plan
+    undone: bool = False  # the step failed and `Scheduler.undo_step` took it back
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, request: Request, num_new_tokens: int, block_ids: list[int], new_table: bool) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+        self.new_block_ids.append(block_ids)
+        self.new_tables.append(new_table)
+
+    def subset(self, rows: list[int]) -> SchedulerOutput:
+        """The plan of these requests alone (every block copy and freed id kept: doing them again
+        is harmless)."""
+        part = SchedulerOutput(block_copies=self.block_copies, freed=self.freed)
+        for i in rows:
+            part.add(self.requests[i], self.num_new_tokens[i], self.new_block_ids[i], self.new_tables[i])
+        return part
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+        self._freed: list[Hashable] = []  # for the next plan
+        self._new_to_runner: set[Hashable] = set()  # forked requests: their next plan sends the whole table
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        # A step that never confirmed its prefix blocks (it died before its forward pass wrote
+        # them) must leave none findable: a safety net under the engine's own undo.
+        self.kv.discard_unconfirmed()
+        out = SchedulerOutput(freed=self._freed)
+        self._freed = []
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
+            while copies is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+                copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
+            if copies is None:
+                break  # the request itself was the newest and is now waiting
+            new_table = request.request_id in self._new_to_runner
+            self._new_to_runner.discard(request.request_id)
+            first = 0 if new_table else request.num_computed_tokens // self.kv.block_size
+            out.add(request, num_new, self.kv.block_ids(request.request_id, first), new_table)
+            out.block_copies += copies
+            budget -= num_new
+            i += 1
+
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            # A request still owed its prompt logprobs needs every prompt position's logits, which
+            # cached blocks do not have: it skips the lookup (as vLLM does) and computes them all.
+            num_cached = self.kv.admit(request.request_id, request.all_token_ids, num_new_tokens=budget,
+                                       block_hashes=request.block_hashes,
+                                       read_cache=request.prompt_logprobs is None)
+            if num_cached is None:
+                break  # not enough free blocks: keep arrival order, try again next step
+            self.waiting.popleft()
+            if request.num_cached_tokens is None:  # its first admission
+                request.num_cached_tokens = num_cached
+                request.scheduled_time = time.monotonic()
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_new = self.kv.num_tokens(request.request_id) - num_cached
+            out.add(request, num_new, self.kv.block_ids(request.request_id), True)
+            budget -= num_new
+        return out
+
+    def finish_step(self, out: SchedulerOutput) -> None:
+        """The step ran: the scheduled tokens now have their K/V in the cache."""
+        for request, n in zip(out.requests, out.num_new_tokens):
+            request.num_computed_tokens += n
+        self.kv.confirm_cached()
+
+    def undo_step(self, out: SchedulerOutput) -> None:
+        """The step failed: forget the prefix blocks it was to fill, and send every request it
+        ran back to the front of the queue, in order, to be computed again from scratch (as a
+        preempted request is; the prefix cache still holds what earlier steps computed)."""
+        self.kv.discard_unconfirmed()
+        out.undone = True
+        self._freed += out.freed  # the runner may not have seen them
+        for request in reversed(out.requests):
+            self.running.remove(request)
+            self._release(request)
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start `child` as a running copy of `parent`, sharing all of its blocks."""
+        self.kv.fork(parent.request_id, child.request_id, child.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.scheduled_time = parent.scheduled_time
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        self._new_to_runner.add(child.request_id)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the schedule, whatever its state, and free its blocks."""
+        assert status.finished
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        self._freed.append(request.request_id)
+        self._new_to_runner.discard(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)

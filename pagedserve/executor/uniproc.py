@@ -1,0 +1,40 @@
+"""The executor of a single-process engine: one model runner, in the core's own process."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.worker.model_runner import ModelRunner
+
+
+class UniProcExecutor:
+    """One model runner, in this process."""
+
+    def __init__(self, config: EngineConfig, model=None) -> None:
+        from pagedserve.models.loader import load_model
+
+        module, self.model_config = model or load_model(config.model, config.torch_dtype, config.device,
+                                                        quantization=config.quantization)
+        self.runner = ModelRunner(module, self.model_config, config)
+
+    def measure_kv_budget(self, max_model_len: int) -> int:
+        return self.runner.measure_kv_budget(max_model_len)
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_decode_graphs(max_model_len)
+
+    def execute(self, step: SchedulerOutput, sample_rows: list[int],
+                prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.runner.execute(step, sample_rows, prompt_spans)
+
+    def warm_up(self, num_tokens: int, max_model_len: int) -> None:
+        self.runner.warm_up(num_tokens, max_model_len)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

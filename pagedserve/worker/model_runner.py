@@ -1,0 +1,215 @@
+"""The model runner: owns the KV tensors, turns a step's plan into flat tensors, runs the model.
+
+On CUDA it also sizes the KV pool from the GPU's free memory after a profiling forward pass
+(`measure_kv_budget`) and replays decode steps through CUDA graphs (`capture_decode_graphs`).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve import heap
+from pagedserve.attention import get_backend
+from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache, copy_blocks
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.config import EngineConfig
+from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.kv import BlockCopy
+from pagedserve.kv.sizes import cdiv
+from pagedserve.models.config import ModelConfig
+from pagedserve.models.sharding import kv_heads_per_rank
+from pagedserve.ops import cpu_linear
+from pagedserve.worker.block_table_rows import BlockTableRows
+from pagedserve.worker.cpu_graphs import CpuDecodeGraph
+from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
+
+
+@dataclass
+class StepInputs:
+    """One step's forward pass as flat arrays: what a tensor-parallel driver sends every rank."""
+
+    input_ids: list[int]                   # the scheduled tokens of every request, one after another
+    num_computed: list[int]                # per request: tokens already in its KV blocks
+    num_new: list[int]                     # per request: tokens this step runs
+    block_tables: torch.Tensor             # [requests, blocks], int64, padded with 0
+    block_copies: list[tuple[int, int]]    # copy-on-write (src, dst) pairs, done before the pass
+    logits_rows: list[int]                 # tokens (indices into input_ids) whose logits are wanted
+
+
+# The prompts of a warm-up step are at most this long: a chat burst's, not one long document's,
+# whose attention would cost more startup time for the same matmul shapes.
+WARM_UP_PROMPT_LEN = 512
+
+
+def kv_budget_from_gpu_memory(total: int, free: int, peak_activation: int, utilization: float) -> int:
+    """Bytes the KV pool may take on a GPU of `total` bytes with `free` bytes free now (weights
+    loaded; whatever else runs on the GPU counts against us too) and a forward pass whose
+    temporaries peaked at `peak_activation` bytes, so that the engine stays within
+    `utilization` of the GPU in all."""
+    budget = int(total * utilization) - (total - free) - peak_activation
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} allows "
+            f"{total * utilization / 2**30:.2f} GiB, {(total - free) / 2**30:.2f} GiB are in use (weights, other "
+            f"processes) and a forward pass needs {peak_activation / 2**30:.2f} GiB more; raise "
+            "gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return budget
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig) -> None:
+        self.model, self.model_config, self.config = model, model_config, config
+        self.block_size = config.block_size
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
+        if self.device.type == "cpu":
+            heap.keep_freed_memory()  # each step's temporaries reuse the last step's pages
+        self.kv_caches: list[KVCache] = []
+        # Chosen once; it builds each step's metadata, and the model's attention layers run it.
+        self.attention_backend = get_backend(config.attention_backend, self.device, config.kv_torch_dtype)
+        self.block_table_rows = BlockTableRows(self.block_size)
+        self.decode_graphs: DecodeGraphs | CpuDecodeGraph | None = None
+        # calculate_kv_scales (EngineConfig allows it with fp8 only): the first real step sets every layer's scales.
+        self.calibrate_kv_scales = config.calculate_kv_scales
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        c = self.model_config
+        kv_heads = kv_heads_per_rank(c.num_kv_heads, self.config.tensor_parallel_size)  # this rank's
+        self.kv_caches = allocate_kv_cache(c.num_layers, num_blocks, self.block_size, kv_heads, c.head_dim,
+                                           self.config.kv_torch_dtype, self.device)
+
+    @torch.inference_mode()
+    def measure_kv_budget(self, max_model_len: int) -> int:
+        """CUDA: run the largest step the scheduler can plan (max_num_batched_tokens tokens, as
+        prompts of at most max_model_len, and sampling over max_num_seqs rows of logits) on a
+        throwaway cache, and return the bytes the KV pool may take (`kv_budget_from_gpu_memory`).
+
+        The peak is the Triton backend's (the default on CUDA): the torch backend materialises
+        [heads, chunk, context] scores for a chunk behind a long prefix, which this step does not
+        show. CUDA graphs are captured after the pool is allocated, out of the 1 - utilization share."""
+        gc.collect()  # a dropped engine can hold GPU memory until the cycle collector runs
+        torch.cuda.empty_cache()
+        total_tokens = self.config.max_num_batched_tokens
+        lens, tables, num_blocks = self._dummy_prompts(total_tokens, max_model_len)
+        self.allocate_kv_cache(num_blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        md = self._metadata(tables, [0] * len(lens), lens)
+        hidden = self.model(torch.zeros(total_tokens, dtype=torch.int64, device=self.device), md.positions,
+                            self.kv_caches, md)
+        logits = self.model.compute_logits(hidden[: min(total_tokens, self.config.max_num_seqs)]).float()
+        torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)  # top-p / top-k's temporaries
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del hidden, logits, md
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return kv_budget_from_gpu_memory(total, free, peak, self.config.gpu_memory_utilization)
+
+    def capture_decode_graphs(self, max_model_len: int, capture: bool | None = None) -> None:
+        """Capture decode graphs when they apply: CUDA, the Triton backend, not enforce_eager.
+        capture=False builds the padded buffers and runs them eagerly (tests). On CPU, record the
+        decode forward for replay in C instead (`cpu_graphs`), where it can be recorded."""
+        if self.device.type == "cpu" and capture is None:
+            if not self.config.enforce_eager and self.config.tensor_parallel_size == 1:
+                self.decode_graphs = CpuDecodeGraph.build(
+                    self.model, self.kv_caches, min(self.config.max_num_seqs, cpu_linear.MAX_ROWS),
+                    cdiv(max_model_len, self.block_size), self.block_size, self.attention_backend)
+            return
+        if capture is None:
+            capture = (self.device.type == "cuda" and self.config.attention_backend == "triton"
+                       and not self.config.enforce_eager)
+            if not capture:
+                return
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs), cdiv(max_model_len, self.block_size),
+            self.block_size, self.attention_backend, self.device, capture=capture)
+
+    def warm_up(self, num_tokens: int, max_model_len: int) -> None:
+        """Before a server's first request: fault in the KV pool, then run a step of `num_tokens`
+        dummy prompt tokens (`warm_up_inputs`). On CPU the pool is mapped untouched
+        (`hugepages.zeros`), and its blocks are handed out in order, so a server would otherwise
+        fault in one 2 MiB page of every layer's K and V at once, each time its requests reach a new
+        page: steps stalled 0.35-0.7 s every 5,400 tokens until the pool had been used once (the
+        embedded model in bfloat16 on the 2-core test machine). Writing the zeros the pages already
+        hold costs 0.6-1.4 s per GiB there, once, before the server reports ready."""
+        if self.device.type == "cpu":
+            for cache in self.kv_caches:
+                cache.k.zero_()
+                cache.v.zero_()
+        self.run(self.warm_up_inputs(num_tokens, max_model_len))
+
+    def warm_up_inputs(self, num_tokens: int, max_model_len: int) -> StepInputs:
+        """A step of `num_tokens` dummy prompt tokens, as prompts of at most WARM_UP_PROMPT_LEN, over
+        the pool's first blocks. Run before any request holds a block: it writes only KV that no
+        one reads (a block's content counts only once a request has computed into it)."""
+        lens, tables, _ = self._dummy_prompts(num_tokens, min(max_model_len, WARM_UP_PROMPT_LEN))
+        rows = list(itertools.accumulate(lens))  # each prompt's last token samples, as in a real step
+        return StepInputs([0] * num_tokens, [0] * len(lens), lens, tables, [], [r - 1 for r in rows])
+
+    def _dummy_prompts(self, num_tokens: int, max_len: int) -> tuple[list[int], torch.Tensor, int]:
+        """`num_tokens` as prompts of at most `max_len` (their lengths), their block tables over the
+        pool's first blocks one after another (padded with 0), and the blocks they take."""
+        lens = [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
+        blocks = [cdiv(n, self.block_size) for n in lens]
+        width, first = max(blocks), list(itertools.accumulate(blocks, initial=0))
+        tables = torch.tensor([list(range(first[i], first[i + 1])) + [0] * (width - blocks[i])
+                               for i in range(len(lens))], dtype=torch.int64)
+        return lens, tables, first[-1]
+
+    def _metadata(self, block_tables, computed, num_new) -> AttentionMetadata:
+        return self.attention_backend.build_metadata(block_tables, computed, num_new, self.block_size, self.device)
+
+    def execute(self, plan: SchedulerOutput, sample_rows: list[int],
+                prompt_spans: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+        """Run one step; return float32 logits: first, one row of the last scheduled token of each
+        request listed in `sample_rows` (indices into plan.requests; repeats allowed); then, for
+        each (row, first, count) of `prompt_spans`, `count` rows: the row's scheduled tokens from
+        its `first` on (for prompt logprobs). Only these tokens go through the LM head."""
+        return self.run(self.prepare(plan, sample_rows, prompt_spans))
+
+    def prepare(self, plan: SchedulerOutput, sample_rows: list[int],
+                prompt_spans: list[tuple[int, int, int]] = ()) -> StepInputs:
+        """The step's inputs as flat arrays (host work only; see `execute` for the arguments)."""
+        computed = [r.num_computed_tokens for r in plan.requests]
+        input_ids: list[int] = []
+        for request, start, n in zip(plan.requests, computed, plan.num_new_tokens):
+            input_ids += request.all_token_ids[start : start + n]
+        seq_lens = [c + n for c, n in zip(computed, plan.num_new_tokens)]
+        tables = self.block_table_rows.update([r.request_id for r in plan.requests], plan.new_block_ids,
+                                              plan.new_tables, computed, seq_lens, plan.freed)
+        starts = list(itertools.accumulate(plan.num_new_tokens, initial=0))  # each request's first token
+        rows = [starts[i + 1] - 1 for i in sample_rows]
+        rows += [starts[row] + first + k for row, first, count in prompt_spans for k in range(count)]
+        return StepInputs(input_ids, computed, list(plan.num_new_tokens), tables,
+                          list(plan.block_copies), rows)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The forward pass of a prepared step: float32 logits of `inputs.logits_rows` (None on
+        a tensor-parallel rank other than 0, which computes its share of them only)."""
+        self.copy_blocks(inputs.block_copies)
+        md = self._metadata(inputs.block_tables, inputs.num_computed, inputs.num_new)
+        ids = torch.tensor(inputs.input_ids, device=self.device)
+        if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):
+            hidden = self.decode_graphs.run(ids, md)
+        else:
+            md.calculate_kv_scales = self.calibrate_kv_scales
+            hidden = self.model(ids, md.positions, self.kv_caches, md)
+            self.calibrate_kv_scales = False  # only once a pass has set every layer's scales
+        if not inputs.logits_rows:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        logits = self.model.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=self.device)])
+        return None if logits is None else logits.float()
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy-on-write: give each destination block its source's K/V, in every layer."""
+        copy_blocks(self.kv_caches, copies)

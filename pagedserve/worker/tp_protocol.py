@@ -1,0 +1,48 @@
+"""What the driver (rank 0) tells the other ranks, as tensors in a fixed number of broadcasts.
+
+Every command is one int64 header of HEADER_LEN entries, broadcast on the control group (a gloo
+group with a long timeout, so an idle worker may wait on it for hours). A step adds one int64
+payload, the `StepInputs` of the step laid end to end, whose part lengths the header carries:
+two broadcasts per step, whatever the batch, and no pickled Python objects.
+
+    header: [op, tokens, requests, table width, block copies, logits rows, arg, 0]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pagedserve.worker.model_runner import StepInputs
+
+HEADER_LEN = 8
+STEP, SHUTDOWN, MEASURE_KV, INIT_KV, WARM_UP = 1, 2, 3, 4, 5
+
+
+def header(op: int, *args: int) -> Tensor:
+    values = [op, *args]
+    return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
+
+
+def pack_step(inputs: StepInputs) -> tuple[Tensor, Tensor]:
+    """(header, payload) of a step."""
+    tables = inputs.block_tables.to(torch.int64)
+    num_reqs, width = tables.shape
+    copies = [i for pair in inputs.block_copies for i in pair]
+    head = header(STEP, len(inputs.input_ids), num_reqs, width, len(inputs.block_copies), len(inputs.logits_rows))
+    lists = torch.tensor(inputs.input_ids + inputs.num_computed + inputs.num_new, dtype=torch.int64)
+    rest = torch.tensor(copies + inputs.logits_rows, dtype=torch.int64)
+    return head, torch.cat([lists, tables.reshape(-1), rest])
+
+
+def payload_len(head: Tensor) -> int:
+    tokens, reqs, width, copies, rows = head[1:6].tolist()
+    return tokens + 2 * reqs + reqs * width + 2 * copies + rows
+
+
+def unpack_step(head: Tensor, payload: Tensor) -> StepInputs:
+    tokens, reqs, width, copies, rows = head[1:6].tolist()
+    ids, computed, new, tables, pairs, logits_rows = payload.split([tokens, reqs, reqs, reqs * width, 2 * copies, rows])
+    pairs = pairs.tolist()
+    return StepInputs(ids.tolist(), computed.tolist(), new.tolist(), tables.view(reqs, width),
+                      list(zip(pairs[0::2], pairs[1::2])), logits_rows.tolist())

@@ -1,0 +1,194 @@
+"""CPU decode replays (worker/cpu_graphs.py): a replay computes bit for bit what the eager forward
+computes, for any number of requests up to its size and over stale buffers; a forward that does
+anything outside the C kernels is not recorded; the intermediates share one arena; a weight
+written after the recording ends the replays; an engine's greedy output is the same with and
+without them; and recording imports no torch._dynamo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedserve.attention import get_backend
+from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.models.loader import load_model
+from pagedserve.ops import cpu_linear
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker import cpu_graphs
+from pagedserve.worker.cpu_graphs import CpuDecodeGraph, NotRecordable, _Watch
+
+BLOCK, NUM_BLOCKS, MAX_BLOCKS = 8, 48, 6
+
+
+def torch_md(tables, computed, new):
+    return get_backend("torch").build_metadata(tables, computed, new, BLOCK)
+
+
+def graph_over(model, caches, size=8):
+    return CpuDecodeGraph.build(model, caches, size, MAX_BLOCKS, BLOCK, get_backend("torch"))
+
+
+def prefilled(model, config, lens, dtype, seed=0):
+    """Caches holding prompts of `lens` tokens (blocks in random order, block 0 left free), and their tables."""
+    caches = allocate_kv_cache(config.num_layers, NUM_BLOCKS, BLOCK, config.num_kv_heads, config.head_dim, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    perm = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+    tables = [perm[MAX_BLOCKS * i: MAX_BLOCKS * (i + 1)] for i in range(len(lens))]
+    md = torch_md(tables, [0] * len(lens), lens)
+    model(torch.randint(config.vocab_size, (sum(lens),), generator=gen), md.positions, caches, md)
+    return caches, tables
+
+
+def copies(caches):
+    return [KVCache(c.k.clone(), c.v.clone(), c.scales) for c in caches]
+
+
+def expected_recordable(arch: str, dtype: torch.dtype) -> bool:
+    """q/k norms run in torch; every matmul of a step must have the C kernel for that dtype."""
+    x, w = torch.zeros(1, 64, dtype=dtype), torch.zeros(64, 64, dtype=dtype)
+    return arch != "qwen3" and cpu_linear.supports(x, w)
+
+
+# A replay is a recording of C calls, so it exists only where every matmul has its C kernel
+# (csrc/linear.c: AVX-512, or AVX2 with FMA); elsewhere `build` refuses to record, as the tests above
+# and below check.
+needs_replays = pytest.mark.skipif(not expected_recordable("llama", torch.float32),
+                                   reason="this CPU has no C float32 matmul (csrc/linear.c needs AVX-512 or AVX2): no replays")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replays_equal_the_eager_forward_bit_for_bit(arch, dtype, tiny_checkpoint):
+    path, _ = tiny_checkpoint(arch)
+    model, config = load_model(str(path), dtype=dtype)
+    lens = [5, 11, 17, 3, 9, 30]
+    with torch.inference_mode():
+        caches, tables = prefilled(model, config, lens, dtype)
+        before = copies(caches)
+        graph = graph_over(model, caches)
+        if not expected_recordable(arch, dtype):
+            assert graph is None
+            return
+        assert graph is not None
+        for cache, ref in zip(caches, before):  # recording put back what it wrote
+            assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
+        gen = torch.Generator().manual_seed(1)
+        # All six requests, then three of them, then one: each time over the buffers the last left.
+        for rows in ([0, 1, 2, 3, 4, 5], [4, 0, 2], [3]):
+            md = torch_md([tables[r] for r in rows], [lens[r] for r in rows], [1] * len(rows))
+            ids = torch.randint(config.vocab_size, (len(rows),), generator=gen)
+            reference = copies(caches)
+            expected = model(ids, md.positions, reference, md)
+            assert graph.can_run(md)
+            got = graph.run(ids, md)
+            assert got.dtype == dtype and torch.equal(got, expected)
+            for cache, ref in zip(caches, reference):  # the same K/V written into the same slots
+                assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
+            for r in rows:
+                lens[r] += 1
+
+
+@needs_replays
+def test_what_a_replay_cannot_run(tiny_checkpoint):
+    model, config = load_model(str(tiny_checkpoint("llama")[0]))
+    with torch.inference_mode():
+        caches, tables = prefilled(model, config, [5, 40, 3], torch.float32)
+        graph = graph_over(model, caches, size=2)
+    assert graph.can_run(torch_md(tables[:2], [5, 40], [1, 1]))
+    assert not graph.can_run(torch_md(tables[:2], [5, 40], [2, 1]))  # a prompt token
+    assert not graph.can_run(torch_md(tables, [5, 40, 3], [1, 1, 1]))  # more requests than its size
+    assert not graph.can_run(torch_md([tables[1] + [0] * 4], [70], [1]))  # a table wider than its buffers
+
+
+@needs_replays
+def test_a_weight_written_after_the_recording_ends_the_replays(tiny_checkpoint):
+    model, config = load_model(str(tiny_checkpoint("llama")[0]))
+    with torch.inference_mode():
+        caches, tables = prefilled(model, config, [5, 7], torch.float32)
+        graph = graph_over(model, caches)
+        md = torch_md(tables, [5, 7], [1, 1])
+        assert graph.can_run(md)
+        model.model.layers[1].mlp.down_proj.weight.mul_(2)
+        assert not graph.can_run(md)
+
+
+def test_forward_work_outside_the_kernels_is_not_recorded(tiny_checkpoint, monkeypatch):
+    model, config = load_model(str(tiny_checkpoint("llama")[0]))
+    norm = model.model.norm
+    monkeypatch.setattr(norm, "forward", lambda x, residual: (norm.norm(x + residual), x + residual))  # torch ops
+    caches = allocate_kv_cache(config.num_layers, NUM_BLOCKS, BLOCK, config.num_kv_heads, config.head_dim,
+                               torch.float32)
+    assert graph_over(model, caches) is None
+
+
+def test_the_watch_lets_through_allocations_and_views_only():
+    x = torch.zeros(4, 6)
+    with _Watch() as watch:
+        y = torch.empty(3)
+        x.view(6, 4)
+        x[1:3].split([2, 4], dim=1)
+    assert [t.data_ptr() for t in watch.allocations] == [y.data_ptr()]
+    for work in (lambda: x.add_(1), lambda: x + 1, lambda: x[0, 0].item(), lambda: x.t().contiguous()):
+        with pytest.raises(NotRecordable), _Watch():
+            work()
+
+
+@needs_replays
+def test_the_intermediates_share_one_arena(embedded_model):
+    model, config = embedded_model
+    caches = allocate_kv_cache(config.num_layers, 64, 16, config.num_kv_heads, config.head_dim, torch.float32)
+    with torch.inference_mode():
+        graph = CpuDecodeGraph.build(model, caches, 128, 8, 16, get_backend("torch"))
+    # Per layer and row the forward allocates ~8,500 floats; in the arena only a few layers' worth live.
+    per_layer_and_row = graph.intermediate_bytes / config.num_layers / 128 / 4
+    assert 8000 < per_layer_and_row < 9000
+    assert graph.arena.numel() < graph.intermediate_bytes / config.num_layers
+
+
+def test_an_engine_gives_the_same_tokens_with_and_without_replays(monkeypatch):
+    prompts = [list(range(10 + i, 40 + 5 * i)) for i in range(6)]
+    params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
+    runs, replayed = [], []
+    real_run = CpuDecodeGraph.run
+
+    def counted(self, input_ids, md):
+        replayed.append(md.num_reqs)
+        return real_run(self, input_ids, md)
+
+    monkeypatch.setattr(cpu_graphs.CpuDecodeGraph, "run", counted)
+    recordable = expected_recordable("llama", torch.float32)
+    for eager in (True, False):
+        engine = LLMEngine(EngineConfig(enforce_eager=eager, max_num_seqs=4))
+        assert (engine.runner.decode_graphs is None) == (eager or not recordable)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        runs.append(done)
+        assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks  # nothing leaks
+    assert runs[0] == runs[1] and len(runs[0]) == 6
+    if recordable:
+        assert len(replayed) > 20 and set(replayed) >= {1, 4}
+    else:
+        assert not replayed
+
+
+def test_an_engine_that_records_its_decode_steps_never_imports_dynamo():
+    """torch._dynamo takes about 0.65 s to import, and nothing on CPU compiles: building an engine
+    (model on the meta device, RoPE table, decode recording where the CPU allows one) and serving a request leaves it
+    unimported (a fresh process, so that no other test's import counts)."""
+    code = ("import sys; from pagedserve.engine.llm_engine import LLMEngine; "
+            "from pagedserve.config import EngineConfig; from pagedserve.sampling_params import SamplingParams; "
+            "engine = LLMEngine(EngineConfig()); "
+            f"assert (engine.runner.decode_graphs is not None) == {expected_recordable('llama', torch.float32)}; "
+            "engine.add_request('0', [1, 2, 3], "
+            "SamplingParams(max_tokens=4)); [engine.step() for _ in range(4)]; "
+            "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
