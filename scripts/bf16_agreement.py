@@ -1,5 +1,5 @@
 """How often greedy bfloat16 output agrees with transformers' own bfloat16 model, for pagedserve and
-for vLLM, on the same prompts (issue 16's exactness check; docs/benchmarks.md).
+for vLLM, on the same prompts (the bfloat16 exactness check in docs/benchmarks.md).
 
 The reference is transformers' `generate` on the embedded GGUF in bfloat16, one prompt at a time
 (no padding). Prints, per system, how many of the requests are identical token for token and the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 7 in one run (not yet timed on a GPU), for a session lent a GPU:
+# Every GPU check in one run (not yet timed on a GPU), for a session lent a GPU:
 #   scripts/gpu_check.sh OUT_DIR
 # Needs a python3 with torch (CUDA), triton and transformers, as the device machine has.
 # The embedded model cannot go there (its package is not installed; the GGUF is over a call's

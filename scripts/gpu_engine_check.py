@@ -1,4 +1,4 @@
-"""GPU check of the engine's CUDA path (issue 7), one section at a time; a section that fails
+"""GPU check of the engine's CUDA path, one section at a time; a section that fails
 prints its traceback and the others still run.
 
     python scripts/gpu_engine_check.py [--model DIR]            # on a CUDA machine

@@ -49,8 +49,8 @@ from pagedserve.bench.profile import Timers
 from pagedserve.config import EngineConfig
 from pagedserve.core.messages import CoreStats, EngineCoreOutputs
 from pagedserve.core.sampler import SamplingBatch
-from pagedserve.engine.async_engine import RequestTracker
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.streams import RequestTracker
 from pagedserve.kv.kv_cache_manager import cdiv
 from pagedserve.models.config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
@@ -352,7 +352,7 @@ def _state(row: OverheadRow) -> str:
 
 
 def check_targets(rows: list[OverheadRow]) -> list[tuple[str, bool | None, str]]:
-    """The issue's three targets: (target, holds (None: nothing to judge), the figures)."""
+    """The three overhead targets: (target, holds (None: nothing to judge), the figures)."""
     ran = {(_state(r), r.requests, r.context, r.pool_blocks): r.total_ms for r in rows if not r.skipped}
     results = []
 
@@ -397,7 +397,7 @@ def format_table(rows: list[OverheadRow], threads: int | None = 1) -> str:
         else:
             lines.append(head + "".join(f" {r.parts_ms[p]:.3f} |" for p in PARTS)
                          + f" **{r.total_ms:.3f}** | {r.core_ms:.3f} | {r.mean_total_ms:.3f} |")
-    lines += ["", "Targets (issue 14):"]
+    lines += ["", "Targets:"]
     for target, holds, figures in check_targets(rows):
         verdict = "n/a" if holds is None else "holds" if holds else "does NOT hold"
         lines.append(f"- {target}: **{verdict}** ({figures})")

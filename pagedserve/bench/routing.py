@@ -1,7 +1,7 @@
 """`pagedserve bench routing`: prefix-cache hit rates of engine replicas on Ray Serve under each
 request router, on one shared-system-prompt workload.
 
-The workload is issue 18's: `num_prompts` distinct system prompts of `prompt_len` tokens, each
+The workload: `num_prompts` distinct system prompts of `prompt_len` tokens, each
 followed by a distinct `suffix_len`-token user part in `requests_per_prompt` requests, in random
 order, `concurrency` at a time, over `replicas` replicas. Each replica's KV pool holds about
 num_prompts / replicas of the prompts: a router that keeps each prompt on one replica finds it

@@ -1,6 +1,6 @@
 """The engine core in a process of its own: a busy loop between two ZMQ sockets.
 
-The API process (`async_llm.AsyncLLM`) binds a PUSH socket for commands and a PULL socket for
+The front's `core_client.ProcessCoreClient` binds a PUSH socket for commands and a PULL socket for
 outputs; this process connects to both. It applies every command that arrived since its last
 step, runs one step, and sends the step's sample outputs with the core's figures, as msgpack
 frames (`core_messages`). With nothing to do it blocks on the command socket.
@@ -55,8 +55,7 @@ def run_engine_core(config: EngineConfig, eos_token_ids: list[int], command_addr
         outputs.close(linger=1000)
         raise SystemExit(1) from None
     logger.info("froze %d startup objects out of the cycle collector", heap.freeze_startup_objects())
-    outputs.send(encoder.encode(CoreReady(core.max_model_len, core.vocab_size, core.scheduler.max_num_seqs,
-                                          core.num_blocks, core.core_stats())))
+    outputs.send(encoder.encode(ready_message(core)))
     core.structured_output.preload()  # this process has no tokenizer: load its vocabulary while idle
     try:
         _busy_loop(core, commands, outputs, encoder)
@@ -93,13 +92,20 @@ def _busy_loop(core, commands: zmq.Socket, outputs: zmq.Socket, encoder: msgspec
             command = decoder.decode(frame)
             if isinstance(command, Shutdown):
                 return
-            results += _apply(core, command)
+            results += apply_command(core, command)
         if core.has_unfinished_requests():
-            results += _step(core)
+            results += step_contained(core)
         outputs.send(encoder.encode(EngineCoreOutputs(results, core.core_stats())))
 
 
-def _apply(core, command: CoreCommand) -> list[SampleOutput]:
+def ready_message(core) -> CoreReady:
+    """The facts a started core tells its front."""
+    return CoreReady(core.max_model_len, core.vocab_size, core.scheduler.max_num_seqs, core.num_blocks,
+                     core.core_stats())
+
+
+def apply_command(core, command: CoreCommand) -> list[SampleOutput]:
+    """Apply a request, abort or stop to the core: the error output of a request it failed to add."""
     if isinstance(command, EngineCoreRequest):
         try:
             core.add_request(command)
@@ -114,7 +120,9 @@ def _apply(core, command: CoreCommand) -> list[SampleOutput]:
     return []
 
 
-def _step(core) -> list[SampleOutput]:
+def step_contained(core) -> list[SampleOutput]:
+    """One core step. A fault the core could not pin on one request fails every request in flight
+    (their error outputs), and the core keeps serving; ExecutorFailed (no step can run) propagates."""
     try:
         return core.step()
     except ExecutorFailed:

@@ -1,9 +1,9 @@
 """LLMEngine: the synchronous engine, front and core in one process. add_request / step / abort.
 
-The front tokenizes and validates a request, then hands token ids to the `EngineCore`; after each
-core step the `OutputProcessor` turns the core's token ids into text and RequestOutputs, and tells
-the core which samples a stop string ended. `LLM`, the in-thread server and the tests drive it.
-The API server's default runs the same core in its own process instead (`async_llm.py`).
+The front tokenizes and validates a request, then hands token ids to the `EngineCore` (through an
+`InprocClient`: the core runs when the caller steps it); after each core step the `OutputProcessor`
+turns the core's token ids into text and RequestOutputs, and tells the core which samples a stop
+string ended. `LLM` and the tests drive it; the server's front is `async_llm.AsyncLLM`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore, EngineStats
 from pagedserve.core.messages import EngineCoreRequest
+from pagedserve.engine.core_client import InprocClient
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.kv import KVCacheStats
 from pagedserve.ops import native
@@ -37,6 +38,7 @@ class LLMEngine:
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         self.core = EngineCore(config, eos_token_ids=tokenizer_eos_ids(self.tokenizer), model=model,
                                tokenizer=self.tokenizer)
+        self.client = InprocClient(self.core)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
@@ -98,7 +100,7 @@ class LLMEngine:
         params.verify_for_engine(self.model_config.vocab_size, self.scheduler.max_num_seqs)
         text, token_ids = self.tokenize(prompt)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.core.add_request(EngineCoreRequest(request_id, token_ids, params))  # validates the prompt
+        self.client.add_request(EngineCoreRequest(request_id, token_ids, params))  # validates the prompt
         self.output_processor.add_request(request_id, prompt_text if prompt_text is not None else text,
                                           token_ids, params, arrival_time)
 
@@ -107,7 +109,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request at once, whatever its state, and free everything it holds."""
-        self.core.abort_requests([request_id])
+        self.client.abort_requests([request_id])
         self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -121,14 +123,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one core step; return the outputs of every user request that advanced or ended."""
-        processed = self.output_processor.process(self.core.step())
-        self.core.stop_samples(processed.stopped)
-        self.core.abort_requests(processed.failed)
+        processed = self.output_processor.process(self.client.step())
+        self.client.stop_samples(processed.stopped)
+        self.client.abort_requests(processed.failed)
         return processed.outputs
 
     def shutdown(self) -> None:
         """Stop the engine's workers (tensor parallelism); it runs no more steps."""
-        self.core.shutdown()
+        self.client.shutdown()
 
     # ---- figures -------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import EngineError, EngineUnavailable
+from pagedserve.engine.protocol import EngineError, EngineUnavailable
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
@@ -43,7 +43,7 @@ def core(tiny, embedded_tokenizer):
     engine.start()
     yield engine
     engine.shutdown()
-    assert not engine._process.is_alive()
+    assert not engine.client._process.is_alive()
 
 
 def run_async(engine: AsyncLLM, requests: list[tuple[list[int], SamplingParams]]) -> list:
@@ -202,7 +202,7 @@ def test_the_core_process_dies_everyone_in_flight_fails_fast_and_a_new_core_serv
         assert after.num_running == after.num_waiting == 0 and after.kv.free_blocks == after.kv.total_blocks
     finally:
         engine.shutdown()
-    assert not engine._process.is_alive()
+    assert not engine.client._process.is_alive()
 
 
 def test_a_core_that_cannot_restart_leaves_the_engine_dead_and_says_so(tiny, embedded_tokenizer, tmp_path):
@@ -212,7 +212,7 @@ def test_a_core_that_cannot_restart_leaves_the_engine_dead_and_says_so(tiny, emb
     reasons = []
     engine.add_dead_hook(reasons.append)
     try:
-        engine.config = config(tmp_path / "missing")  # every new core fails to load its model
+        engine.client.config = config(tmp_path / "missing")  # every new core fails to load its model
         os.kill(engine.core_pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
         while not reasons:
@@ -224,7 +224,7 @@ def test_a_core_that_cannot_restart_leaves_the_engine_dead_and_says_so(tiny, emb
             run_async_raising(engine, PROMPTS[0], SamplingParams(max_tokens=2))
     finally:
         engine.shutdown()
-    assert not engine._process.is_alive()
+    assert not engine.client._process.is_alive()
 
 
 def test_a_stopped_core_is_stalled_until_it_runs_again(tiny, embedded_tokenizer):

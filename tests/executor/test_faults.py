@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import EngineError
+from pagedserve.engine.protocol import EngineError
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM

@@ -20,8 +20,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__, heap
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.engine.async_llm import DEFAULT_MAX_RESTARTS, DEFAULT_STALL_TIMEOUT, AsyncLLM
+from pagedserve.engine.async_llm import DEFAULT_STALL_TIMEOUT, AsyncLLM
+from pagedserve.engine.core_client import DEFAULT_MAX_RESTARTS
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai import http_server
 from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, default_max_body_bytes, prompt_bound
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
@@ -81,7 +82,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]} for status in statuses}
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, *,
+def build_app(engine: EngineClient, served_model_name: str, api_key: str | None = None, *,
               max_body_bytes: int | None = None, body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
               default_max_tokens: int | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, extra_collectors: tuple = (),
@@ -174,8 +175,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def health() -> Response:
         if drain.draining:
             return shutting_down().response()
-        problem = engine.health_problem() if hasattr(engine, "health_problem") else (
-            None if engine.is_running else "the engine is not running")
+        problem = engine.health_problem()
         if problem is not None:
             return engine_unavailable(problem).response()
         return JSONResponse(HealthStatus().model_dump())
@@ -258,18 +258,11 @@ async def _disconnected(request: Request) -> None:
 
 def make_async_engine(config: EngineConfig, engine_core: str = "process", *,
                       max_restarts: int = DEFAULT_MAX_RESTARTS, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-                      ) -> AsyncLLMEngine | AsyncLLM:
-    """The server's engine, not yet started. max_restarts and stall_timeout: AsyncLLM's (the core
-    process's restarts after it dies, and how long it may make no progress before /health fails)."""
-    if engine_core == "process":
-        return AsyncLLM(config, max_restarts=max_restarts, stall_timeout=stall_timeout)
-    if engine_core == "thread":
-        from pagedserve.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(config)
-        engine.core.warm_up()  # as the engine core process does before it reports ready
-        return AsyncLLMEngine(engine)
-    raise ValueError(f"engine_core must be 'process' or 'thread', got {engine_core!r}")
+                      ) -> AsyncLLM:
+    """The server's engine, not yet started: the core in a process of its own ("process") or on a
+    thread of this one ("thread"). max_restarts: the core process's restarts after it dies;
+    stall_timeout: how long the core may make no progress before /health fails."""
+    return AsyncLLM(config, engine_core=engine_core, max_restarts=max_restarts, stall_timeout=stall_timeout)
 
 
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -285,7 +278,7 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                engine_stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
     """Serve until SIGTERM or SIGINT, which drain the server (http_server.GracefulServer) before it
     exits; a second signal exits at once. engine_core: "process" runs the core in a process of its
-    own (`AsyncLLM`), "thread" in a thread of this one (`AsyncLLMEngine`). If the core process dies
+    own, "thread" on a thread of this one (both behind `AsyncLLM`). If the core process dies
     and cannot be restarted, the server stops and this raises SystemExit with an error (exit code 1),
     so that a supervisor restarts the service."""
     engine = make_async_engine(config, engine_core, max_restarts=engine_max_restarts,
@@ -299,12 +292,12 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
         server = http_server.make_server(app, host=host, port=port, timeout_keep_alive=timeout_keep_alive,
                                          header_timeout=header_timeout, shutdown_timeout=shutdown_timeout)
         dead: list[str] = []
-        if isinstance(engine, AsyncLLM):
-            def stop(reason: str) -> None:  # on the engine's thread: uvicorn's loop reads the flag
-                dead.append(reason)
-                server.should_exit = True
 
-            engine.add_dead_hook(stop)
+        def stop(reason: str) -> None:  # on the engine's thread: uvicorn's loop reads the flag
+            dead.append(reason)
+            server.should_exit = True
+
+        engine.add_dead_hook(stop)
         logging.getLogger("uvicorn.error").info("Froze %d startup objects out of the cycle collector",
                                                 heap.freeze_startup_objects())
         server.run()

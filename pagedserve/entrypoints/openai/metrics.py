@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineStatsSnapshot
+from pagedserve.engine.protocol import EngineClient, EngineStatsSnapshot
 from pagedserve.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -23,20 +23,20 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 class EngineCollector(Collector):
     """The engine's figures under vLLM's names. An engine whose figures come from several replicas
-    (the Ray ingress's `ReplicaPool`, which has `stats_by_replica`) reports each replica's under a
+    (the Ray ingress's `ReplicaPool`) reports each replica's under a
     `replica` label."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self):
-        per_replica = getattr(self.engine, "stats_by_replica", None)
+        per_replica = self.engine.stats_by_replica()
         if per_replica is None:
             label_names, series = ["model_name"], [([self.model_name], self.engine.stats)]
         else:
             label_names = ["model_name", "replica"]
-            series = [([self.model_name, replica], s) for replica, s in sorted(per_replica().items())]
+            series = [([self.model_name, replica], s) for replica, s in sorted(per_replica.items())]
 
         def family(kind, name: str, doc: str, value: Callable[[EngineStatsSnapshot], float]):
             metric = kind(name, doc, labels=label_names)
@@ -75,7 +75,7 @@ class EngineCollector(Collector):
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, extra_collectors: tuple = ()) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, extra_collectors: tuple = ()) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
         for collector in extra_collectors:  # e.g. the Ray ingress's router and per-replica figures

@@ -1,9 +1,9 @@
 """`pagedserve serve --ray`: engine replicas on Ray Serve behind one OpenAI ingress.
 
 Each `EngineReplica` is a Ray Serve replica (an actor) holding a whole engine with its own KV pool
-(an `AsyncLLMEngine`: the core on a thread of the actor). The ingress is the same FastAPI app as
-`pagedserve serve` (`build_app`), run by Ray Serve's HTTP proxy, over a `ReplicaPool`: an object
-with the engine interface the app uses, whose `generate` streams from a replica through a
+(an `AsyncLLM` whose core runs in a process of its own, as `pagedserve serve` runs it). The ingress
+is the same FastAPI app as `pagedserve serve` (`build_app`), run by Ray Serve's HTTP proxy, over a
+`ReplicaPool`: an `EngineClient` whose `generate` streams from a replica through a
 DeploymentHandle. Which replica takes a request is the handle's request router's choice: Ray
 Serve's default (power of two choices), or pagedserve's prefix-cache-aware one
 (`prefix_router.PrefixAwareRouter`). Ray does placement, health checks, restarts and autoscaling.
@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import EngineError, EngineStatsSnapshot
+from pagedserve.engine.protocol import EngineError, EngineStatsSnapshot
 from pagedserve.entrypoints.openai.router_stats import DECISIONS, QUEUE_LENGTH, REPLICA_STATS, ROUTED
 from pagedserve.kv import KVCacheStats
 from pagedserve.outputs import RequestOutput
@@ -97,17 +97,18 @@ class EngineReplica:
 
 
 class ReplicaPool:
-    """The engine interface the OpenAI app uses (`build_app`), over the replicas' handle."""
+    """The engine the OpenAI app serves (`engine.protocol.EngineClient`), over the replicas' handle."""
 
-    def __init__(self, handle: Any, tokenizer: Any, info: dict[str, int]) -> None:
-        self.handle, self.tokenizer = handle.options(stream=True), tokenizer
+    stats = None  # the figures come per replica
+
+    def __init__(self, handle: Any, tokenizer: Any, info: dict[str, int], config: EngineConfig | None = None) -> None:
+        self.handle, self.tokenizer, self.config = handle.options(stream=True), tokenizer, config
         self.max_model_len, self.vocab_size, self.max_num_seqs = (
             info["max_model_len"], info["vocab_size"], info["max_num_seqs"])
         self._hooks: tuple[Callable[[RequestOutput], None], ...] = ()
 
-    @property
-    def is_running(self) -> bool:
-        return True  # Ray Serve restarts a replica that fails its health check
+    def health_problem(self) -> str | None:
+        return None  # Ray Serve restarts a replica that fails its health check
 
     def stats_by_replica(self) -> dict[str, EngineStatsSnapshot]:
         """Each live replica's latest figures, by its unique id (refreshed each second)."""
@@ -213,7 +214,7 @@ def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | N
         # The builder runs on the ingress's event loop, where a handle may not block: ask from a thread.
         with ThreadPoolExecutor(1) as pool:
             info = pool.submit(lambda: handle.info.remote().result()).result()
-        pool = ReplicaPool(handle, load_tokenizer(config.model), info)
+        pool = ReplicaPool(handle, load_tokenizer(config.model), info, config)
         return build_app(pool, served_model_name, api_key, extra_collectors=(RouterCollector(),), **app_options)
 
     # The ingress only forwards: Serve's default cap of 5 ongoing requests would queue the rest at

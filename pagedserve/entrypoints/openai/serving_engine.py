@@ -21,7 +21,7 @@ from pydantic_core import PydanticSerializationError
 from starlette.responses import Response
 
 from pagedserve import __version__
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError, EngineUnavailable
+from pagedserve.engine.protocol import EngineClient, EngineError, EngineUnavailable
 from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, PromptBound, RequestWork
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ResponseModel, SamplingRequest
 from pagedserve.entrypoints.openai.tool_parsers import escape_lone_surrogates
@@ -95,10 +95,10 @@ class Drain:
         return self._aborted_future
 
 
-def system_fingerprint(engine: AsyncLLMEngine, model_name: str) -> str:
+def system_fingerprint(engine: EngineClient, model_name: str) -> str:
     """OpenAI's system_fingerprint: the same for every answer of one build serving one model with one
     configuration, different when any of them changes (so a client can tell why outputs changed)."""
-    config = getattr(engine, "config", None)  # the engine's settings, where the front has them
+    config = engine.config
     facts = {"version": __version__, "model": model_name,
              "tokenizer": getattr(engine.tokenizer, "name_or_path", None),
              "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None,
@@ -179,7 +179,7 @@ class OpenAIServing:
     prompt delays no other client. `prompt_bound` (limits.prompt_bound) refuses a prompt that
     cannot fit before it is tokenized at all; None turns that check off."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, *, executor: Executor | None = None,
+    def __init__(self, engine: EngineClient, model_name: str, *, executor: Executor | None = None,
                  prompt_bound: PromptBound | None = None, default_max_tokens: int | None = None,
                  drain: Drain | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
         self.engine = engine

@@ -5,7 +5,7 @@
  * one library); -O3 spends most of a cold start's compile on these kernels.
  *
  * Built by pagedserve/native.py with the system C compiler on first use and called
- * through ctypes; tests/attention/test_cpu_kernel.py holds both against the torch oracle.
+ * through ctypes; tests/ops/test_cpu_attention.py holds both against the torch oracle.
  *
  * Layouts (C-contiguous):
  *   q, out           [num_tokens, num_heads, head_dim]   only rows token_indices[r] are used; float32,

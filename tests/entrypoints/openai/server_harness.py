@@ -14,7 +14,6 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.openai.api_server import build_app
@@ -55,7 +54,7 @@ def serve_server(app, **options) -> Iterator[tuple[str, GracefulServer]]:
 class Server:
     url: str
     engine: LLMEngine | None  # None when the core runs in its own process
-    async_engine: AsyncLLMEngine | AsyncLLM
+    async_engine: AsyncLLM
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
@@ -80,9 +79,9 @@ class Server:
 
 @contextmanager
 def serve_engine(engine: LLMEngine, **app_options) -> Iterator[Server]:
-    """`engine` behind the OpenAI app (through an AsyncLLMEngine), served on loopback as MODEL;
+    """`engine` behind the OpenAI app (through an AsyncLLM on a thread), served on loopback as MODEL;
     `app_options` go to build_app."""
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = AsyncLLM.from_llm_engine(engine)
     async_engine.start()
     try:
         with serve(build_app(async_engine, MODEL, **app_options)) as url:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from server_harness import MODEL, assert_all_free, serve, serve_server
 
-from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.entrypoints.openai.http_server import make_server
 from pagedserve.entrypoints.openai.limits import MAX_JSON_BYTES_PER_CHAR, prompt_bound
@@ -420,7 +420,7 @@ def test_sigterm_drains_a_serving_process():
 def test_health_says_ok_in_json_or_503_when_the_engine_is_not_running(server):
     r = httpx.get(f"{server.url}/health")
     assert r.status_code == 200 and r.headers["content-type"] == "application/json" and r.json() == {"status": "ok"}
-    stopped = AsyncLLMEngine(server.engine)  # never started
+    stopped = AsyncLLM.from_llm_engine(server.engine)  # never started
     with serve(build_app(stopped, MODEL)) as url:
         r = httpx.get(f"{url}/health")
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"

@@ -39,7 +39,7 @@ def process_server(embedded_tokenizer):
             yield Server(url, None, engine)
     finally:
         engine.shutdown()
-    assert not engine._process.is_alive()
+    assert not engine.client._process.is_alive()
 
 
 def test_greedy_answers_equal_the_offline_api(process_server, offline):

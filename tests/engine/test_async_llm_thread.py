@@ -1,4 +1,4 @@
-"""AsyncLLMEngine: one engine thread, requests joining at any time, aborts, faults and idling."""
+"""AsyncLLM with its core on a thread: requests joining at any time, aborts, faults and idling."""
 
 import asyncio
 import threading
@@ -7,7 +7,8 @@ import time
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineError
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.protocol import EngineError
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams
@@ -35,11 +36,11 @@ def reference(embedded_model, embedded_tokenizer):
 
 @pytest.fixture
 def async_engine(engine):
-    ae = AsyncLLMEngine(engine)
+    ae = AsyncLLM.from_llm_engine(engine)
     ae.start()
     yield ae
     ae.shutdown()
-    assert not engine.has_unfinished_requests()
+    assert not engine.core.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks  # nothing leaks, whatever the test did
 
 
@@ -79,14 +80,14 @@ def test_concurrent_requests_match_the_offline_api(async_engine, reference):
 def test_requests_join_the_running_batch(async_engine, engine):
     """A request that arrives mid-generation is served in the same steps as the running one."""
     steps_with_both = 0
-    real_step = engine.step
+    real_step = engine.core.step
 
     def step():
         nonlocal steps_with_both
         steps_with_both += len(engine.scheduler.running) == 2
         return real_step()
 
-    engine.step = step
+    engine.core.step = step
     try:
         async def main():
             long = asyncio.ensure_future(collect(async_engine, PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True)))
@@ -97,7 +98,7 @@ def test_requests_join_the_running_batch(async_engine, engine):
 
         asyncio.run(main())
     finally:
-        del engine.step
+        del engine.core.step
     assert steps_with_both >= GREEDY.max_tokens - 1
 
 
@@ -118,7 +119,7 @@ def test_cancelling_or_leaving_early_aborts_the_request(async_engine, engine):
         await wait_until(lambda: async_engine.stats.finished.get("abort") == 2)
 
     asyncio.run(main())
-    assert not engine.has_unfinished_requests()
+    assert not engine.core.has_unfinished_requests()
     assert async_engine.stats.kv.used_blocks == 0
 
 
@@ -193,14 +194,14 @@ def test_a_fault_outside_the_step_fails_the_requests_in_flight(async_engine, eng
 
 def test_the_loop_sleeps_while_idle_and_wakes_for_a_request(async_engine, engine):
     calls = 0
-    real_step = engine.step
+    real_step = engine.core.step
 
     def counting_step():
         nonlocal calls
         calls += 1
         return real_step()
 
-    engine.step = counting_step
+    engine.core.step = counting_step
     try:
         time.sleep(0.3)
         assert calls == 0  # no busy spin
@@ -213,11 +214,11 @@ def test_the_loop_sleeps_while_idle_and_wakes_for_a_request(async_engine, engine
         time.sleep(0.3)
         assert calls == steps
     finally:
-        del engine.step
+        del engine.core.step
 
 
 def test_shutdown_fails_what_is_in_flight(engine):
-    ae = AsyncLLMEngine(engine)
+    ae = AsyncLLM.from_llm_engine(engine)
     ae.start()
 
     async def main():
@@ -232,7 +233,7 @@ def test_shutdown_fails_what_is_in_flight(engine):
 
     asyncio.run(main())
     assert not ae.is_running
-    assert not engine.has_unfinished_requests()
+    assert not engine.core.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
 
 
