@@ -18,24 +18,23 @@ supervisor to restart it).
 from __future__ import annotations
 
 import asyncio
-import logging
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.engine_core import validate_prompt
 from pagedserve.core.messages import CoreReady, CoreStats, EngineCoreOutputs, EngineCoreRequest
 from pagedserve.engine.core_client import (DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF, DEFAULT_START_TIMEOUT,
                                            EngineCoreClient, ProcessCoreClient, ThreadedCoreClient)
+from pagedserve.engine.input_processor import process_inputs
 from pagedserve.engine.llm_engine import LLMEngine, tokenizer_eos_ids
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineError, EngineStatsSnapshot, EngineUnavailable
 from pagedserve.engine.streams import RequestStream, RequestTracker
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.text import check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +102,11 @@ class AsyncLLM:
     @property
     def core_pid(self) -> int | None:
         """The core process's pid (None when the core runs in this process)."""
-        return getattr(self.client, "core_pid", None)
+        return self.client.core_pid
 
     @property
     def num_restarts(self) -> int:
-        return getattr(self.client, "num_restarts", 0)
+        return self.client.num_restarts
 
     def stats_by_replica(self) -> None:
         return None  # one engine: its figures are `stats`
@@ -170,13 +169,11 @@ class AsyncLLM:
         raises ValueError; an engine fault raises EngineError (EngineUnavailable while no core
         serves, or for the requests a lost core took with it). Leaving early (break and close, or
         cancellation) aborts the request."""
-        if isinstance(prompt, str):
-            prompt_text = prompt if prompt_text is None else prompt_text
-            prompt = self.tokenizer.encode(check_unicode(prompt, "the prompt"))
         if not self._started or self._stopping:
             raise EngineUnavailable(self.health_problem() or "the engine is not running")
-        params.verify_for_engine(self.vocab_size, self.max_num_seqs)
-        validate_prompt(prompt, self.max_model_len, self.vocab_size)  # the client's 400, at once
+        text, prompt = process_inputs(self.tokenizer, prompt, params, max_model_len=self.max_model_len,
+                                      vocab_size=self.vocab_size, max_num_seqs=self.max_num_seqs)  # a 400, at once
+        prompt_text = text if prompt_text is None else prompt_text
         stream = RequestStream(asyncio.get_running_loop())
         arrival = time.monotonic()
         with self._lock:

@@ -66,6 +66,8 @@ class EngineCoreClient(Protocol):
     not serving are dropped (its loss has failed those requests already), except `add_request`."""
 
     ready: CoreReady | None  # the facts of the serving core, once started
+    num_restarts: int  # cores started after one was lost
+    core_pid: int | None  # the core's process, where it has its own
 
     def start(self, events: CoreEvents) -> None:
         """Start the core and return once it serves (RuntimeError if it cannot start)."""
@@ -125,7 +127,8 @@ class ThreadedCoreClient:
         self._dead: str | None = None
         self._thread: threading.Thread | None = None
         self._events: CoreEvents | None = None
-        self.ready: CoreReady | None = None
+        self.ready: CoreReady | None = ready_message(core) if core is not None else None
+        self.num_restarts, self.core_pid = 0, None  # the core shares this process and is never restarted
 
     def start(self, events: CoreEvents) -> None:
         assert self._thread is None, "already started"

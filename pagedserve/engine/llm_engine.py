@@ -15,12 +15,12 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore, EngineStats
 from pagedserve.core.messages import EngineCoreRequest
 from pagedserve.engine.core_client import InprocClient
+from pagedserve.engine.input_processor import process_inputs, tokenize
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.kv import KVCacheStats
 from pagedserve.ops import native
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.text import check_unicode
 
 
 def tokenizer_eos_ids(tokenizer) -> list[int]:
@@ -85,11 +85,8 @@ class LLMEngine:
         return str(next(self._request_counter))
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(the text, its token ids), or (None, the ids) for token ids. Text that is not valid
-        Unicode is a ValueError saying where, not a TypeError from inside the tokenizer."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(check_unicode(prompt, "the prompt"))
-        return None, list(prompt)
+        """(the text, its token ids), or (None, the ids) for token ids (`input_processor.tokenize`)."""
+        return tokenize(self.tokenizer, prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, prompt_text: str | None = None) -> None:
@@ -97,10 +94,11 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params.verify_for_engine(self.model_config.vocab_size, self.scheduler.max_num_seqs)
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids = process_inputs(self.tokenizer, prompt, params, max_model_len=self.max_model_len,
+                                         vocab_size=self.model_config.vocab_size,
+                                         max_num_seqs=self.scheduler.max_num_seqs)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.client.add_request(EngineCoreRequest(request_id, token_ids, params))  # validates the prompt
+        self.client.add_request(EngineCoreRequest(request_id, token_ids, params))
         self.output_processor.add_request(request_id, prompt_text if prompt_text is not None else text,
                                           token_ids, params, arrival_time)
 

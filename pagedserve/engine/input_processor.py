@@ -1,0 +1,25 @@
+"""A request as every front checks it before the core sees it: the same rules offline and served."""
+
+from __future__ import annotations
+
+from pagedserve.core.engine_core import validate_prompt
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.text import check_unicode
+
+
+def tokenize(tokenizer, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    """(the text, its token ids), or (None, the ids) for token ids. Text that is not valid Unicode
+    is a ValueError saying where, not a TypeError from inside the tokenizer."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(check_unicode(prompt, "the prompt"))
+    return None, list(prompt)
+
+
+def process_inputs(tokenizer, prompt: str | list[int], params: SamplingParams, *, max_model_len: int,
+                   vocab_size: int, max_num_seqs: int) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a request the engine can run; ValueError (a ParameterError naming the
+    field, for parameters) for one it cannot."""
+    params.verify_for_engine(vocab_size, max_num_seqs)
+    text, token_ids = tokenize(tokenizer, prompt)
+    validate_prompt(token_ids, max_model_len, vocab_size)
+    return text, token_ids
