@@ -9,7 +9,8 @@ torch's libgomp loaded, so they share its thread pool. An engine on a CPU starts
 so that a cold start compiles while it loads the model.
 
 Every call into a kernel goes through `call`, so that a `recording` can note the calls of a whole
-forward pass for replay in C (worker/cpu_graphs.py, csrc/replay.c).
+forward pass for replay in C (worker/cpu_graphs.py, csrc/replay.c); a recording sees only the
+calls of the thread that started it.
 """
 
 from __future__ import annotations
@@ -165,26 +166,28 @@ def load_library(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
         raise BuildError(str(exc)) from exc
 
 
-# The calls noted by the active `recording`, or None.
-_recorded: list[tuple[ctypes._CFuncPtr, tuple]] | None = None
+# The active `recording` of each thread. Per thread: a recording notes one forward pass, and an
+# engine on another thread of this process (a second engine, a server's core) must not write its
+# calls into it; the torch dispatch mode that watches the forward beside it sees one thread too.
+_local = threading.local()
 
 
 def call(fn: ctypes._CFuncPtr, *args):
-    """fn(*args), noted while a `recording` is active."""
+    """fn(*args), noted while a `recording` is active on this thread."""
     result = fn(*args)
-    if _recorded is not None:
-        _recorded.append((fn, args))
+    recorded = getattr(_local, "recorded", None)
+    if recorded is not None:
+        recorded.append((fn, args))
     return result
 
 
 @contextmanager
 def recording() -> Iterator[list[tuple[ctypes._CFuncPtr, tuple]]]:
-    """Note every `call` made inside, in order, as (function, arguments)."""
-    global _recorded
-    if _recorded is not None:
-        raise RuntimeError("a recording is already active")
-    _recorded = calls = []
+    """Note every `call` this thread makes inside, in order, as (function, arguments)."""
+    if getattr(_local, "recorded", None) is not None:
+        raise RuntimeError("a recording is already active on this thread")
+    _local.recorded = calls = []
     try:
         yield calls
     finally:
-        _recorded = None
+        _local.recorded = None
