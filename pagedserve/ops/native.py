@@ -70,6 +70,49 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+# The build's variant, for tests and debugging (each flag set builds and caches apart):
+CHECKS_ENV = "PAGEDSERVE_NATIVE_CHECKS"  # "1": bounds checks in the kernels (-DPAGEDSERVE_CHECKS)
+SANITIZE_ENV = "PAGEDSERVE_NATIVE_SANITIZE"  # "1": AddressSanitizer (`sanitizer_env` to load it)
+MARCH_ENV = "PAGEDSERVE_NATIVE_MARCH"  # a -march target in place of native, e.g. x86-64-v3 (AVX2 + FMA)
+SANITIZE_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
+
+
+def build_flags(name: str, *, checks: bool | None = None, sanitize: bool | None = None,
+                march: str | None = None) -> list[str]:
+    """Library `name`'s compiler flags: SOURCES[name]'s, for `march` in place of the CPU it runs on,
+    with the kernels' bounds checks (a block id outside the pool is an error, not a read out of
+    bounds) and with AddressSanitizer, as asked; each left as None is read from the environment
+    (CHECKS_ENV, SANITIZE_ENV, MARCH_ENV), so that a process's every load gets the same variant."""
+    if checks is None:
+        checks = os.environ.get(CHECKS_ENV, "0") == "1"
+    if sanitize is None:
+        sanitize = os.environ.get(SANITIZE_ENV, "0") == "1"
+    march = march or os.environ.get(MARCH_ENV) or None
+    out = [f"-march={march}" if f == "-march=native" and march else f for f in SOURCES[name]]
+    if checks:
+        out.append("-DPAGEDSERVE_CHECKS")
+    if sanitize:
+        out += SANITIZE_FLAGS
+    return out
+
+
+def sanitizer_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) for a Python process that loads AddressSanitizer builds:
+    a Python that is not itself built with ASan must preload its runtime, and CPython's memory at
+    exit, which it never frees, is not a leak of the kernels."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found")
+    runtime = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    if not os.path.isabs(runtime):  # the compiler echoes the bare name when it has no such library
+        raise BuildError(f"{compiler} has no AddressSanitizer runtime")
+    env = dict(os.environ if env is None else env)
+    env.update({SANITIZE_ENV: "1", "LD_PRELOAD": runtime,
+                "ASAN_OPTIONS": "detect_leaks=0"})
+    return env
+
+
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
 
@@ -81,10 +124,10 @@ def _build_lock(name: str) -> threading.Lock:
 
 def compile_source(name: str, compiler: str, flags: list[str] | None = None) -> Path:
     """Library `name` compiled (or the cached build for this text, flags, compiler and CPU), with
-    SOURCES[name]'s flags by default. One build of a library at a time in a process: a second
-    caller waits for it (see `build_ahead`) and then finds it cached."""
+    `build_flags(name)` by default. One build of a library at a time in a process: a second caller waits
+    for it (see `build_ahead`) and then finds it cached."""
     with _build_lock(name):
-        return _compile(name, compiler, SOURCES[name] if flags is None else flags)
+        return _compile(name, compiler, build_flags(name) if flags is None else flags)
 
 
 def _compile(name: str, compiler: str, flags: list[str]) -> Path:

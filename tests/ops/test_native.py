@@ -116,3 +116,17 @@ def test_nothing_is_built_ahead_with_the_kernels_off(cache, monkeypatch):
     finally:
         native.build_ahead.cache_clear()
     assert not cache.exists() or not list(cache.glob("*.so"))
+
+
+def test_a_build_variant_comes_from_the_arguments_or_the_environment(monkeypatch):
+    for var in (native.CHECKS_ENV, native.SANITIZE_ENV, native.MARCH_ENV):
+        monkeypatch.delenv(var, raising=False)
+    assert native.build_flags("linear") == native.SOURCES["linear"]
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    monkeypatch.setenv(native.CHECKS_ENV, "1")
+    flags = native.build_flags("fused_ops")
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags and "-DPAGEDSERVE_CHECKS" in flags
+    assert "-ffp-contract=off" in flags  # the library's own flags kept
+    explicit = native.build_flags("fused_ops", checks=False, sanitize=True, march="x86-64")
+    assert "-march=x86-64" in explicit and "-DPAGEDSERVE_CHECKS" not in explicit
+    assert all(f in explicit for f in native.SANITIZE_FLAGS)
