@@ -97,20 +97,41 @@ def build_flags(name: str, *, checks: bool | None = None, sanitize: bool | None 
 
 
 def sanitizer_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """`env` (default: this process's) for a Python process that loads AddressSanitizer builds:
-    a Python that is not itself built with ASan must preload its runtime, and CPython's memory at
-    exit, which it never frees, is not a leak of the kernels."""
+    """`env` (default: this process's) for a Python process that loads AddressSanitizer builds.
+    A Python that is not itself built with ASan must preload its runtime, and libstdc++ with it:
+    Python does not link libstdc++, so ASan would find no C++ `throw` to wrap and abort at the first
+    exception torch's libraries throw (and catch). CPython's memory at exit, which it never frees,
+    is not a leak of the kernels."""
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C compiler found")
-    runtime = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-    if not os.path.isabs(runtime):  # the compiler echoes the bare name when it has no such library
-        raise BuildError(f"{compiler} has no AddressSanitizer runtime")
+    preload = []
+    for library in ("libasan.so", "libstdc++.so"):
+        path = subprocess.run([compiler, f"-print-file-name={library}"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        if not os.path.isabs(path):  # the compiler echoes the bare name when it has no such library
+            raise BuildError(f"{compiler} has no {library}, which AddressSanitizer builds need")
+        preload.append(os.path.realpath(path))
     env = dict(os.environ if env is None else env)
-    env.update({SANITIZE_ENV: "1", "LD_PRELOAD": runtime,
-                "ASAN_OPTIONS": "detect_leaks=0"})
+    env.update({SANITIZE_ENV: "1", "LD_PRELOAD": " ".join(preload), "ASAN_OPTIONS": "detect_leaks=0"})
     return env
+
+
+def target_defines(name: str, flags: list[str] | None = None) -> frozenset[str]:
+    """The instruction-set macros the compiler defines for library `name`'s build (`build_flags`
+    unless `flags` are given): what the kernels' #if's see, __AVX2__, __FMA__, __AVX512F__,
+    __AVX512BF16__..., which for -march=native are this CPU's and for -march=x86-64-v3 are AVX2's."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found")
+    return _defines(compiler, tuple(f for f in (build_flags(name) if flags is None else flags) if f.startswith("-m")))
+
+
+@functools.cache
+def _defines(compiler: str, machine_flags: tuple[str, ...]) -> frozenset[str]:
+    result = subprocess.run([compiler, *machine_flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                            text=True, check=True)
+    return frozenset(line.split()[1] for line in result.stdout.splitlines() if line.startswith("#define "))
 
 
 _locks: dict[str, threading.Lock] = {}
@@ -196,6 +217,18 @@ def optional_library(name: str, fallback: str, flags: list[str] | None = None) -
     except BuildError as exc:
         warnings.warn(f"{name}.c is unavailable ({exc}); {fallback}", stacklevel=3)
         return None
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why csrc/<name>.c cannot be loaded here, in words; None when it loads (a cached build: no
+    compile after the first)."""
+    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
+        return "the C kernels are switched off (PAGEDSERVE_CPU_KERNEL=0)"
+    try:
+        load_library(name)
+    except BuildError as exc:
+        return f"{name}.c could not be built or loaded: {str(exc).splitlines()[0]}"
+    return None
 
 
 def load_library(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
