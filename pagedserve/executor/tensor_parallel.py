@@ -152,6 +152,9 @@ class TensorParallelExecutor:
             self.num_steps += 1
             return self.runner.run(inputs)
 
+    def fast_paths(self) -> dict[str, str | None]:
+        return self.runner.fast_paths  # every rank runs the same code on its shard
+
     def check_health(self) -> None:
         """ExecutorFailed if the group is broken, or a spawned worker is gone."""
         if self._failed is None:

@@ -140,12 +140,19 @@ class CpuDecodeGraph:
     @classmethod
     def build(cls, *args, **kwargs) -> CpuDecodeGraph | None:
         """The graph, or None where the forward cannot be recorded (or the replay library is not built)."""
+        graph = cls.attempt(*args, **kwargs)
+        return graph if isinstance(graph, CpuDecodeGraph) else None
+
+    @classmethod
+    def attempt(cls, *args, **kwargs) -> CpuDecodeGraph | str:
+        """The graph, or why there is none: the replay library is not built, or the forward does work
+        that a replay would skip."""
         if load() is None:
-            return None
+            return native.unavailable_reason("replay") or "the replay library is not loaded"
         try:
             return cls(*args, **kwargs)
-        except NotRecordable:
-            return None
+        except NotRecordable as e:
+            return f"the forward does work outside the C kernels: {e}"
 
     def can_run(self, md: AttentionMetadata) -> bool:
         """Whether this step is decodes only, few enough, with tables that fit the buffers."""
