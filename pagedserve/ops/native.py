@@ -219,11 +219,14 @@ def optional_library(name: str, fallback: str, flags: list[str] | None = None) -
         return None
 
 
+KERNELS_OFF = "the C kernels are switched off (PAGEDSERVE_CPU_KERNEL=0)"
+
+
 def unavailable_reason(name: str) -> str | None:
     """Why csrc/<name>.c cannot be loaded here, in words; None when it loads (a cached build: no
     compile after the first)."""
     if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
-        return "the C kernels are switched off (PAGEDSERVE_CPU_KERNEL=0)"
+        return KERNELS_OFF
     try:
         load_library(name)
     except BuildError as exc:

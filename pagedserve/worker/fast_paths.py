@@ -30,9 +30,13 @@ _logged: set[tuple[str, str]] = set()
 _logged_lock = threading.Lock()
 
 
+EAGER = "enforce_eager=True"
+
+
 def log_skipped(paths: dict[str, str | None]) -> None:
     """Log each skipped path with its reason, once per process for each (path, reason): every engine
-    of a process (and every tensor-parallel rank's runner) finds the same ones."""
+    of a process (and every tensor-parallel rank's runner) finds the same ones. A warning, as the
+    engine runs slower than it could; information only where the user asked for the slow path."""
     for name, reason in paths.items():
         if reason is None:
             continue
@@ -40,7 +44,8 @@ def log_skipped(paths: dict[str, str | None]) -> None:
             if (name, reason) in _logged:
                 continue
             _logged.add((name, reason))
-        logger.warning("fast path %s is skipped: %s", name, reason)
+        asked = reason == EAGER or reason == native.KERNELS_OFF
+        logger.log(logging.INFO if asked else logging.WARNING, "fast path %s is skipped: %s", name, reason)
 
 
 def _not_loaded(load, name: str) -> str | None:
@@ -78,7 +83,7 @@ def replay_skipped(model_config: ModelConfig, config: EngineConfig,
     a CPU runner's `cpu_kernel_paths`); None where a replay is worth trying (on CPU a recording may
     still find work outside the C kernels, and say so)."""
     if config.enforce_eager:
-        return "enforce_eager=True"
+        return EAGER
     if config.tensor_parallel_size > 1:
         return "tensor parallelism: a replay would skip the collectives between the kernels"
     device = torch.device(config.device).type

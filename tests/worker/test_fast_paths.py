@@ -24,7 +24,7 @@ LOADERS = [cpu_attention.load, cpu_linear.load, cpu_linear._dtype_supported, fus
 def fresh_log(monkeypatch, caplog):
     """A process that has logged no skipped path yet; the log lines it writes from here on."""
     monkeypatch.setattr(fast_paths, "_logged", set())
-    caplog.set_level(logging.WARNING, logger=fast_paths.__name__)
+    caplog.set_level(logging.INFO, logger=fast_paths.__name__)
     return caplog
 
 
@@ -38,8 +38,12 @@ def replays_here() -> bool:
     return cpu_linear.supports(torch.zeros(1, 64), torch.zeros(64, 64))
 
 
+def skipped_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == fast_paths.__name__ and "is skipped" in r.getMessage()]
+
+
 def skipped_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "is skipped" in r.getMessage()]
+    return [r.getMessage() for r in skipped_records(caplog)]
 
 
 def test_a_default_cpu_engine_takes_every_fast_path(tiny_checkpoint, embedded_tokenizer, fresh_log):
@@ -61,6 +65,7 @@ def test_an_fp8_cache_engine_reports_the_replay_skipped_and_why(tiny_checkpoint,
     assert paths[CPU_ATTENTION] is None  # the C attention kernels read an fp8 cache
     assert llm.get_metrics()["fast_paths_skipped"] == sum(r is not None for r in paths.values()) >= 1
     assert skipped_lines(fresh_log) == [f"fast path {DECODE_REPLAY} is skipped: {paths[DECODE_REPLAY]}"]
+    assert skipped_records(fresh_log)[-1].levelno == logging.WARNING  # slower than it could be, unasked
     make_llm(path, embedded_tokenizer, kv_cache_dtype="fp8")  # a second engine, the same reason: not again
     assert len(skipped_lines(fresh_log)) == 1
 
@@ -68,6 +73,7 @@ def test_an_fp8_cache_engine_reports_the_replay_skipped_and_why(tiny_checkpoint,
 def test_an_eager_engine_and_qwen3s_qk_norms_skip_the_replay(tiny_checkpoint, embedded_tokenizer, fresh_log):
     eager = make_llm(tiny_checkpoint("llama")[0], embedded_tokenizer, enforce_eager=True)
     assert eager.fast_paths()[DECODE_REPLAY] == "enforce_eager=True"
+    assert skipped_records(fresh_log)[-1].levelno == logging.INFO  # asked for
     qwen3 = make_llm(tiny_checkpoint("qwen3")[0], embedded_tokenizer)
     assert "q/k norms" in qwen3.fast_paths()[DECODE_REPLAY] and qwen3.llm_engine.runner.decode_graphs is None
     assert len(skipped_lines(fresh_log)) == 2
