@@ -26,11 +26,10 @@ CPU_ATTENTION = "cpu_attention_kernels"  # ops/csrc/paged_decode.c, paged_prefil
 CPU_LINEAR = "cpu_linear_kernel"  # ops/csrc/linear.c
 CPU_FUSED_OPS = "cpu_fused_ops"  # ops/csrc/fused_ops.c
 
-_logged: set[tuple[str, str]] = set()
-_logged_lock = threading.Lock()
-
-
 EAGER = "enforce_eager=True"
+
+_logged: set[tuple[str, str]] = set()  # (path, reason) pairs this process has logged
+_logged_lock = threading.Lock()
 
 
 def log_skipped(paths: dict[str, str | None]) -> None:
@@ -63,12 +62,13 @@ def cpu_kernel_paths(model_config: ModelConfig, config: EngineConfig) -> dict[st
     else:
         q = torch.empty(1, 1, model_config.head_dim, dtype=dtype)
         cache = torch.empty(1, 1, 1, model_config.head_dim, dtype=kv_dtype)
-        attention = _not_loaded(cpu_attention.load, "paged_attention") or (None if cpu_attention.supports(q, cache) else (
-            f"they take float32 or bfloat16 queries over a float32, bfloat16 or fp8 cache with a head size that "
-            f"is a multiple of {cpu_attention.VECTOR_WIDTH}, not {dtype} over {kv_dtype} with head size "
-            f"{model_config.head_dim}: attention runs in torch's SDPA"))
+        attention = _not_loaded(cpu_attention.load, "paged_attention")
+        if attention is None and not cpu_attention.supports(q, cache):
+            attention = (f"they take float32 or bfloat16 queries over a float32, bfloat16 or fp8 cache with a head "
+                         f"size that is a multiple of {cpu_attention.VECTOR_WIDTH}, not {dtype} over {kv_dtype} with "
+                         f"head size {model_config.head_dim}: attention runs in torch's SDPA")
     linear = _not_loaded(cpu_linear.load, "linear")
-    if linear is None and not cpu_linear._dtype_supported(dtype):
+    if linear is None and not cpu_linear.supports_dtype(dtype):
         linear = (f"this CPU lacks the instructions csrc/linear.c computes {dtype} with (AVX2 with FMA, or "
                   "AVX-512; bfloat16 there also its BF16 extension): matmuls run in oneDNN or torch")
     fused = _not_loaded(fused_cpu.load, "fused_ops")

@@ -22,8 +22,8 @@ KERNEL_TESTS = ["tests/ops/test_cpu_attention.py", "tests/ops/test_cpu_linear.py
 # every tile edge; the fused ops; each quantized format; a replayed forward), without the tests that
 # hold a float sum's rounding to one order: instrumented loops vectorize differently.
 SANITIZED = " or ".join([
-    "test_long_contexts_match_the_oracle", "test_fp8_cache", "test_bfloat16_cache_matches", "test_queries_may_be_a_view",
-    "test_only_the_decode_rows", "test_prefill_matches_the_oracle", "test_prefill_reads_any_block_size",
+    "test_long_contexts_match_the_oracle", "test_fp8_cache", "test_bfloat16_cache_matches",
+    "test_queries_may_be_a_view", "test_only_the_decode_rows", "test_prefill_matches_the_oracle", "test_prefill_reads_any_block_size",
     "test_prefill_over", "test_prefill_writes_only", "test_the_checked_build",
     "test_matches_float64_for_any_shape", "test_model_shapes",
     "test_silu", "test_rotary", "test_row_",

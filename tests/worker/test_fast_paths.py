@@ -102,7 +102,7 @@ def test_kernels_switched_off_are_reported_as_such(tiny_checkpoint, embedded_tok
 
 def test_a_cpu_without_the_matmul_instructions_skips_the_linear_kernel_and_the_replay(tiny_checkpoint,
                                                                                        monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_dtype_supported", lambda dtype: False)  # as on a CPU without AVX2
+    monkeypatch.setattr(cpu_linear, "supports_dtype", lambda dtype: False)  # as on a CPU without AVX2
     config = EngineConfig(model=str(tiny_checkpoint("llama")[0]), dtype="bfloat16")
     model_config = load_config(config.model)
     kernels = fast_paths.cpu_kernel_paths(model_config, config)
