@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/ops/test_cpu_attention.py", "tests/ops/test_cpu_linear.py", "tests/ops/test_fused_cpu.py",
                 "tests/models/test_quantized.py", "tests/worker/test_cpu_graphs.py"]
 # Under ASan: every kernel (decode and prefill over each cache type, block sizes, windows; matmuls of
-# every tile edge; the fused ops; each quantized format; a replayed forward), without the tests that
-# hold a float sum's rounding to one order: instrumented loops vectorize differently.
+# every tile edge; the fused ops; each quantized format; a replayed forward), without the tests whose
+# bounds hold only for the default build's order of float sums: instrumented, gcc leaves the RMSNorm
+# sum scalar (a bfloat16 output then lands 2 steps from torch's where the test allows 1).
 SANITIZED = " or ".join([
     "test_long_contexts_match_the_oracle", "test_fp8_cache", "test_bfloat16_cache_matches",
     "test_queries_may_be_a_view", "test_only_the_decode_rows", "test_prefill_matches_the_oracle", "test_prefill_reads_any_block_size",
