@@ -514,6 +514,11 @@ class EngineCore:
         return CoreStats(len(self.scheduler.running), num_waiting, self.kv.stats(),
                          self.scheduler.num_preemptions)
 
+    def fast_paths(self) -> dict[str, str | None]:
+        """The forward's fast paths (decode replays, the C kernels on CPU): None for each taken, else
+        why it is skipped (worker/fast_paths.py)."""
+        return self.executor.fast_paths()
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing forgotten) while requests hold blocks."""
         return self.kv.reset_prefix_cache()

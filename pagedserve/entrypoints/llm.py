@@ -164,7 +164,13 @@ class LLM:
             "prefix_cache_hit_rate": kv.prefix_hit_rate,
             "cow_copies": kv.cow_copies,
             "preemptions": engine.num_preemptions,
+            "fast_paths_skipped": sum(reason is not None for reason in self.fast_paths().values()),
         }
+
+    def fast_paths(self) -> dict[str, str | None]:
+        """The engine's fast paths (decode steps replayed, the C kernels on CPU): None for each it
+        takes, else the reason it falls back (logged once too). `get_metrics()` counts the skipped."""
+        return self.llm_engine.core.fast_paths()
 
 
 def _kind(value: Any) -> str:

@@ -45,6 +45,10 @@ class Executor(Protocol):
         """Fault in the KV pool and run a step of `num_tokens` dummy prompt tokens
         (`ModelRunner.warm_up`) on every worker."""
 
+    def fast_paths(self) -> dict[str, str | None]:
+        """The fast paths of the runner that plans the steps (rank 0's): None for each it takes,
+        else why not (`ModelRunner.fast_paths`)."""
+
     def check_health(self) -> None:
         """Raise ExecutorFailed if a step can no longer run."""
 

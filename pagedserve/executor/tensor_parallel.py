@@ -152,6 +152,9 @@ class TensorParallelExecutor:
             self.num_steps += 1
             return self.runner.run(inputs)
 
+    def fast_paths(self) -> dict[str, str | None]:
+        return self.runner.fast_paths  # every rank runs the same code on its shard
+
     def check_health(self) -> None:
         """ExecutorFailed if the group is broken, or a spawned worker is gone."""
         if self._failed is None:
@@ -247,7 +250,9 @@ def _check_driver_env(size: int) -> None:
 def _stop(processes: list, parent_ends: list, threads_before: int) -> None:
     """Stop the workers: close their lifelines (a worker whose parent's pipe closes exits, so this
     also ends workers that were never told SHUTDOWN, as at garbage collection or exit), wait for
-    them, and kill any that hang on."""
+    them, and kill any that hang on. Then leave the group: torch.distributed keeps this process's
+    one group until it is destroyed, so an engine collected without `shutdown` would otherwise bar
+    every later tensor-parallel engine of the process."""
     for end in parent_ends:
         end.close()
     deadline = time.monotonic() + WORKER_EXIT_GRACE
@@ -258,3 +263,4 @@ def _stop(processes: list, parent_ends: list, threads_before: int) -> None:
             process.kill()
             process.join()
     torch.set_num_threads(threads_before)
+    leave_group()

@@ -33,6 +33,9 @@ class UniProcExecutor:
     def warm_up(self, num_tokens: int, max_model_len: int) -> None:
         self.runner.warm_up(num_tokens, max_model_len)
 
+    def fast_paths(self) -> dict[str, str | None]:
+        return self.runner.fast_paths
+
     def check_health(self) -> None:
         pass
 

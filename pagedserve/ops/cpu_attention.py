@@ -20,7 +20,9 @@ against 1.18-1.20 (37 against 27 GB/s; this machine reads about 40).
 
 `ops/native.py` compiles them on first use and caches the build. Without a compiler, or
 with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls back to torch's SDPA
-(a warning says why, once).
+(a warning says why, once). Every call passes the pool's size: a checked build
+(PAGEDSERVE_NATIVE_CHECKS=1, `native.build_flags`) refuses a block id outside the pool with an
+IndexError instead of reading out of bounds.
 """
 
 from __future__ import annotations
@@ -37,18 +39,20 @@ VECTOR_WIDTH = 16  # floats per vector in the kernel (VL): head_dim must be a mu
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, compiled if needed; None if it is disabled or cannot be built."""
-    lib = native.optional_library("paged_attention", "attention uses the slower SDPA paths")
+def load(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+    """The kernel library, compiled if needed (with `native.build_flags` unless `flags` are given);
+    None if it is disabled or cannot be built."""
+    lib = native.optional_library("paged_attention", "attention uses the slower SDPA paths",
+                                  None if flags is None else list(flags))
     if lib is None:
         return None
     fn = lib.paged_decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+    fn.argtypes = [ptr] * 7 + [i64] * 8 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                            ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     fn = lib.paged_prefill_attention
-    fn.argtypes = [ptr] * 8 + [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+    fn.argtypes = [ptr] * 8 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                            ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.has_bf16_dot.argtypes, lib.has_bf16_dot.restype = [], ctypes.c_int
@@ -116,11 +120,10 @@ def decode_attention(
     status = native.call(
         lib.paged_decode_attention, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         token_indices.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        n, q.stride(0), block_tables.shape[1], block_size, num_heads, num_kv_heads, head_dim,
+        n, q.stride(0), block_tables.shape[1], num_blocks, block_size, num_heads, num_kv_heads, head_dim,
         scale, sliding_window or 0, torch.get_num_threads(), kv_format, k_scale, v_scale, int(bf16),
     )
-    if status != 0:
-        raise MemoryError("the CPU decode kernel could not allocate its scratch space")
+    check_status(status, "decode", block_tables, seq_lens, num_blocks, block_size)
 
 
 def prefill_attention(
@@ -153,9 +156,35 @@ def prefill_attention(
     status = native.call(
         lib.paged_prefill_attention, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         q_starts.data_ptr(), num_new.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        q_starts.shape[0], block_tables.shape[1], block_size, q.shape[1], num_kv_heads, head_dim,
+        q_starts.shape[0], block_tables.shape[1], num_blocks, block_size, q.shape[1], num_kv_heads, head_dim,
         scale, sliding_window or 0, torch.get_num_threads(), KV_FORMATS[k_cache.dtype], k_scale, v_scale,
         int(q.dtype == torch.bfloat16),
     )
-    if status != 0:
-        raise MemoryError("the CPU prefill kernel could not allocate its scratch space")
+    check_status(status, "prefill", block_tables, seq_lens, num_blocks, block_size)
+
+
+# The kernels' status codes (csrc/paged_attention.h); the last two only from a checked build.
+NO_MEMORY, BAD_BLOCK, SHORT_TABLE = -1, -2, -3
+
+
+def check_status(status: int, kernel: str, block_tables: Tensor, seq_lens: Tensor, num_blocks: int,
+                 block_size: int) -> None:
+    """Raise the error a kernel's status stands for: MemoryError, or IndexError naming the request
+    whose block table the checked build refused."""
+    if status == 0:
+        return
+    if status == NO_MEMORY:
+        raise MemoryError(f"the CPU {kernel} attention kernel could not allocate its scratch space")
+    if status not in (BAD_BLOCK, SHORT_TABLE):
+        raise RuntimeError(f"the CPU {kernel} attention kernel failed with status {status}")
+    for r, (table, seq_len) in enumerate(zip(block_tables.tolist(), seq_lens.tolist())):
+        needed = -(-seq_len // block_size)
+        if needed > len(table):
+            raise IndexError(f"CPU {kernel} attention: request {r} has {seq_len} tokens, more than its block "
+                             f"table of {len(table)} blocks of {block_size} holds")
+        bad = [b for b in table[:needed] if not 0 <= b < num_blocks]
+        if bad:
+            raise IndexError(f"CPU {kernel} attention: request {r}'s block table holds block id {bad[0]}, "
+                             f"outside the pool of {num_blocks} blocks")
+    raise IndexError(f"CPU {kernel} attention: a block table holds a block id outside the pool of {num_blocks} "
+                     "blocks")

@@ -46,12 +46,17 @@ def _dtype_supported(dtype: torch.dtype) -> bool:
     return lib is not None and dtype in _DTYPES and bool(lib.linear_supports(_DTYPES[dtype]))
 
 
+def supports_dtype(dtype: torch.dtype) -> bool:
+    """Whether the kernel is built here and this CPU has the instructions it computes `dtype` with."""
+    return _dtype_supported(dtype)
+
+
 def supports(x: Tensor, weight: Tensor, max_rows: int | None = MAX_ROWS) -> bool:
     """Whether x @ weight.T can run here; max_rows None: at any number of rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (x.device.type == "cpu" and x.dtype == weight.dtype and 0 < rows <= (max_rows or rows)
             and x.shape[-1] == weight.shape[1] and (x.dtype == torch.float32 or weight.shape[1] % 2 == 0)
-            and _dtype_supported(x.dtype))
+            and supports_dtype(x.dtype))
 
 
 def pack(weight: Tensor) -> Tensor:

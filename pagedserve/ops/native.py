@@ -9,7 +9,8 @@ torch's libgomp loaded, so they share its thread pool. An engine on a CPU starts
 so that a cold start compiles while it loads the model.
 
 Every call into a kernel goes through `call`, so that a `recording` can note the calls of a whole
-forward pass for replay in C (worker/cpu_graphs.py, csrc/replay.c).
+forward pass for replay in C (worker/cpu_graphs.py, csrc/replay.c); a recording sees only the
+calls of the thread that started it.
 """
 
 from __future__ import annotations
@@ -69,6 +70,70 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+# The build's variant, for tests and debugging (each flag set builds and caches apart):
+CHECKS_ENV = "PAGEDSERVE_NATIVE_CHECKS"  # "1": bounds checks in the kernels (-DPAGEDSERVE_CHECKS)
+SANITIZE_ENV = "PAGEDSERVE_NATIVE_SANITIZE"  # "1": AddressSanitizer (`sanitizer_env` to load it)
+MARCH_ENV = "PAGEDSERVE_NATIVE_MARCH"  # a -march target in place of native, e.g. x86-64-v3 (AVX2 + FMA)
+SANITIZE_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
+
+
+def build_flags(name: str, *, checks: bool | None = None, sanitize: bool | None = None,
+                march: str | None = None) -> list[str]:
+    """Library `name`'s compiler flags: SOURCES[name]'s, for `march` in place of the CPU it runs on,
+    with the kernels' bounds checks (a block id outside the pool is an error, not a read out of
+    bounds) and with AddressSanitizer, as asked; each left as None is read from the environment
+    (CHECKS_ENV, SANITIZE_ENV, MARCH_ENV), so that a process's every load gets the same variant."""
+    if checks is None:
+        checks = os.environ.get(CHECKS_ENV, "0") == "1"
+    if sanitize is None:
+        sanitize = os.environ.get(SANITIZE_ENV, "0") == "1"
+    march = march or os.environ.get(MARCH_ENV) or None
+    out = [f"-march={march}" if f == "-march=native" and march else f for f in SOURCES[name]]
+    if checks:
+        out.append("-DPAGEDSERVE_CHECKS")
+    if sanitize:
+        out += SANITIZE_FLAGS
+    return out
+
+
+def sanitizer_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) for a Python process that loads AddressSanitizer builds.
+    A Python that is not itself built with ASan must preload its runtime, and libstdc++ with it:
+    Python does not link libstdc++, so ASan would find no C++ `throw` to wrap and abort at the first
+    exception torch's libraries throw (and catch). CPython's memory at exit, which it never frees,
+    is not a leak of the kernels."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found")
+    preload = []
+    for library in ("libasan.so", "libstdc++.so"):
+        path = subprocess.run([compiler, f"-print-file-name={library}"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        if not os.path.isabs(path):  # the compiler echoes the bare name when it has no such library
+            raise BuildError(f"{compiler} has no {library}, which AddressSanitizer builds need")
+        preload.append(os.path.realpath(path))
+    env = dict(os.environ if env is None else env)
+    env.update({SANITIZE_ENV: "1", "LD_PRELOAD": " ".join(preload), "ASAN_OPTIONS": "detect_leaks=0"})
+    return env
+
+
+def target_defines(name: str, flags: list[str] | None = None) -> frozenset[str]:
+    """The instruction-set macros the compiler defines for library `name`'s build (`build_flags`
+    unless `flags` are given): what the kernels' #if's see, __AVX2__, __FMA__, __AVX512F__,
+    __AVX512BF16__..., which for -march=native are this CPU's and for -march=x86-64-v3 are AVX2's."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found")
+    return _defines(compiler, tuple(f for f in (build_flags(name) if flags is None else flags) if f.startswith("-m")))
+
+
+@functools.cache
+def _defines(compiler: str, machine_flags: tuple[str, ...]) -> frozenset[str]:
+    result = subprocess.run([compiler, *machine_flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                            text=True, check=True)
+    return frozenset(line.split()[1] for line in result.stdout.splitlines() if line.startswith("#define "))
+
+
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
 
@@ -80,10 +145,10 @@ def _build_lock(name: str) -> threading.Lock:
 
 def compile_source(name: str, compiler: str, flags: list[str] | None = None) -> Path:
     """Library `name` compiled (or the cached build for this text, flags, compiler and CPU), with
-    SOURCES[name]'s flags by default. One build of a library at a time in a process: a second
-    caller waits for it (see `build_ahead`) and then finds it cached."""
+    `build_flags(name)` by default. One build of a library at a time in a process: a second caller waits
+    for it (see `build_ahead`) and then finds it cached."""
     with _build_lock(name):
-        return _compile(name, compiler, SOURCES[name] if flags is None else flags)
+        return _compile(name, compiler, build_flags(name) if flags is None else flags)
 
 
 def _compile(name: str, compiler: str, flags: list[str]) -> Path:
@@ -154,6 +219,21 @@ def optional_library(name: str, fallback: str, flags: list[str] | None = None) -
         return None
 
 
+KERNELS_OFF = "the C kernels are switched off (PAGEDSERVE_CPU_KERNEL=0)"
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why csrc/<name>.c cannot be loaded here, in words; None when it loads (a cached build: no
+    compile after the first)."""
+    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
+        return KERNELS_OFF
+    try:
+        load_library(name)
+    except BuildError as exc:
+        return f"{name}.c could not be built or loaded: {str(exc).splitlines()[0]}"
+    return None
+
+
 def load_library(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
     """csrc/<name>.c as a loaded library; BuildError if it cannot be built or loaded."""
     compiler = find_compiler()
@@ -165,26 +245,28 @@ def load_library(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
         raise BuildError(str(exc)) from exc
 
 
-# The calls noted by the active `recording`, or None.
-_recorded: list[tuple[ctypes._CFuncPtr, tuple]] | None = None
+# The active `recording` of each thread. Per thread: a recording notes one forward pass, and an
+# engine on another thread of this process (a second engine, a server's core) must not write its
+# calls into it; the torch dispatch mode that watches the forward beside it sees one thread too.
+_local = threading.local()
 
 
 def call(fn: ctypes._CFuncPtr, *args):
-    """fn(*args), noted while a `recording` is active."""
+    """fn(*args), noted while a `recording` is active on this thread."""
     result = fn(*args)
-    if _recorded is not None:
-        _recorded.append((fn, args))
+    recorded = getattr(_local, "recorded", None)
+    if recorded is not None:
+        recorded.append((fn, args))
     return result
 
 
 @contextmanager
 def recording() -> Iterator[list[tuple[ctypes._CFuncPtr, tuple]]]:
-    """Note every `call` made inside, in order, as (function, arguments)."""
-    global _recorded
-    if _recorded is not None:
-        raise RuntimeError("a recording is already active")
-    _recorded = calls = []
+    """Note every `call` this thread makes inside, in order, as (function, arguments)."""
+    if getattr(_local, "recorded", None) is not None:
+        raise RuntimeError("a recording is already active on this thread")
+    _local.recorded = calls = []
     try:
         yield calls
     finally:
-        _recorded = None
+        _local.recorded = None

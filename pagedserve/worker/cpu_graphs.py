@@ -41,7 +41,7 @@ from pagedserve.ops import native
 KINDS = {"linear": (0, 1), "rms_norm": (1, 4), "silu_and_mul": (2, 2), "rotary": (3, 3),
          "paged_decode_attention": (4, 7), "gather_rows": (5, 4), "scatter_rows": (6, 5), "quant_linear": (7, 1),
          "quant_rows": (8, 4)}
-MAX_INTS, MAX_FLOATS = 18, 3
+MAX_INTS, MAX_FLOATS = 19, 3
 ALIGN = 64  # bytes: each intermediate's place in the arena, as torch aligns its allocations
 
 
@@ -140,12 +140,19 @@ class CpuDecodeGraph:
     @classmethod
     def build(cls, *args, **kwargs) -> CpuDecodeGraph | None:
         """The graph, or None where the forward cannot be recorded (or the replay library is not built)."""
+        graph = cls.attempt(*args, **kwargs)
+        return graph if isinstance(graph, CpuDecodeGraph) else None
+
+    @classmethod
+    def attempt(cls, *args, **kwargs) -> CpuDecodeGraph | str:
+        """The graph, or why there is none: the replay library is not built, or the forward does work
+        that a replay would skip."""
         if load() is None:
-            return None
+            return native.unavailable_reason("replay") or "the replay library is not loaded"
         try:
             return cls(*args, **kwargs)
-        except NotRecordable:
-            return None
+        except NotRecordable as e:
+            return f"the forward does work outside the C kernels: {e}"
 
     def can_run(self, md: AttentionMetadata) -> bool:
         """Whether this step is decodes only, few enough, with tables that fit the buffers."""
@@ -164,7 +171,8 @@ class CpuDecodeGraph:
         if failed:
             kind = next(name for name, (k, _) in KINDS.items() if k == self.calls[failed - 1].kind)
             raise RuntimeError(f"replayed decode step: call {failed - 1} ({kind}) failed: a row index out of "
-                               "range, or no memory for the attention kernel's scratch space")
+                               "range, a block id outside the pool (a checked build), or no memory for the "
+                               "attention kernel's scratch space")
         return self.output[:n]
 
 

@@ -26,6 +26,7 @@ from pagedserve.ops import cpu_linear
 from pagedserve.worker.block_table_rows import BlockTableRows
 from pagedserve.worker.cpu_graphs import CpuDecodeGraph
 from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedserve.worker import fast_paths
 
 
 @dataclass
@@ -77,6 +78,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | CpuDecodeGraph | None = None
         # calculate_kv_scales (EngineConfig allows it with fp8 only): the first real step sets every layer's scales.
         self.calibrate_kv_scales = config.calculate_kv_scales
+        self._fast_paths: dict[str, str | None] | None = None  # decided with the decode replays
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
@@ -117,21 +119,40 @@ class ModelRunner:
     def capture_decode_graphs(self, max_model_len: int, capture: bool | None = None) -> None:
         """Capture decode graphs when they apply: CUDA, the Triton backend, not enforce_eager.
         capture=False builds the padded buffers and runs them eagerly (tests). On CPU, record the
-        decode forward for replay in C instead (`cpu_graphs`), where it can be recorded."""
-        if self.device.type == "cpu" and capture is None:
-            if not self.config.enforce_eager and self.config.tensor_parallel_size == 1:
-                self.decode_graphs = CpuDecodeGraph.build(
+        decode forward for replay in C instead (`cpu_graphs`), where it can be recorded. Either way
+        the runner's `fast_paths` say which were taken."""
+        if capture is None:
+            kernels = self._cpu_kernel_paths()
+            skipped = fast_paths.replay_skipped(self.model_config, self.config, kernels)
+            if skipped is None and self.device.type == "cpu":
+                graph = CpuDecodeGraph.attempt(
                     self.model, self.kv_caches, min(self.config.max_num_seqs, cpu_linear.MAX_ROWS),
                     cdiv(max_model_len, self.block_size), self.block_size, self.attention_backend)
-            return
-        if capture is None:
-            capture = (self.device.type == "cuda" and self.config.attention_backend == "triton"
-                       and not self.config.enforce_eager)
-            if not capture:
+                self.decode_graphs, skipped = (graph, None) if isinstance(graph, CpuDecodeGraph) else (None, graph)
+            self._note_fast_paths({fast_paths.DECODE_REPLAY: skipped, **kernels})
+            if skipped is not None or self.device.type == "cpu":
                 return
+            capture = True  # CUDA, the Triton backend, not enforce_eager
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs), cdiv(max_model_len, self.block_size),
             self.block_size, self.attention_backend, self.device, capture=capture)
+
+    @property
+    def fast_paths(self) -> dict[str, str | None]:
+        """Each fast path that applies to this device (fast_paths.py names them): None where this
+        runner takes it, else the reason it does not."""
+        if self._fast_paths is None:  # no replay was tried (a tensor-parallel rank): say why
+            kernels = self._cpu_kernel_paths()
+            self._note_fast_paths({fast_paths.DECODE_REPLAY: fast_paths.replay_skipped(
+                self.model_config, self.config, kernels) or "decode steps are not replayed here", **kernels})
+        return dict(self._fast_paths)
+
+    def _cpu_kernel_paths(self) -> dict[str, str | None]:
+        return fast_paths.cpu_kernel_paths(self.model_config, self.config) if self.device.type == "cpu" else {}
+
+    def _note_fast_paths(self, paths: dict[str, str | None]) -> None:
+        self._fast_paths = paths
+        fast_paths.log_skipped(paths)
 
     def warm_up(self, num_tokens: int, max_model_len: int) -> None:
         """Before a server's first request: fault in the KV pool, then run a step of `num_tokens`

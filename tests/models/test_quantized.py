@@ -10,11 +10,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from pagedserve.models import quantized as Q
+from pagedserve.ops import native
 
 # Where each format keeps float16 numbers (d, and dmin / m): random bytes there could be NaN.
 F16_AT = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
           "Q6_K": [208]}
-PORTABLE = ("-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+# The portable C build: baseline x86-64, no SIMD path (checks and sanitizer as the environment asks).
+PORTABLE = tuple(native.build_flags("quant_linear", march="x86-64"))
 
 
 def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

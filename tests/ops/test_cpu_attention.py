@@ -5,6 +5,7 @@ rows, and their absence is a fallback rather than a failure. Random mixed steps 
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ from pagedserve.attention import torch_ref
 from pagedserve.attention.kv_quant import FP8_DTYPE, dequantize, quantize
 from pagedserve.attention.metadata import BatchedDecodeMetadata
 from pagedserve.attention.sdpa import SdpaMetadata
-from pagedserve.ops import cpu_attention
+from pagedserve.ops import cpu_attention, native
 
 
 @pytest.fixture
@@ -292,13 +293,18 @@ def test_prefill_over_a_bfloat16_cache_matches_the_oracle(q_dtype):
     assert (out.float() - expected).abs().max().item() < (1e-5 if q_dtype == torch.float32 else 2e-2)
 
 
-def cpu_has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return any("avx512_bf16" in line.split() for line in f if line.startswith("flags"))
+def build_has_avx512_bf16() -> bool:
+    """Whether the kernels' build targets AVX-512 BF16: this CPU has it (-march=native), or the
+    -march that PAGEDSERVE_NATIVE_MARCH names does."""
+    return "__AVX512BF16__" in native.target_defines("paged_attention")
 
 
-def test_the_bf16_dot_path_is_built_where_the_cpu_has_avx512_bf16():
-    assert cpu_attention.has_bf16_dot() == cpu_has_avx512_bf16()
+def test_the_bf16_dot_path_is_built_where_the_build_targets_avx512_bf16():
+    assert cpu_attention.has_bf16_dot() == build_has_avx512_bf16()
+    if native.MARCH_ENV not in os.environ:  # -march=native: the CPU's own instructions
+        with open("/proc/cpuinfo") as f:
+            cpu_has = any("avx512_bf16" in line.split() for line in f if line.startswith("flags"))
+        assert build_has_avx512_bf16() == cpu_has
 
 
 def bf16_prefill_case(kv_heads, heads, dim, seed):
@@ -356,3 +362,48 @@ def test_bfloat16_prefill_widens_queries_and_rounds_outputs_as_torch_does(cache_
     in_bf16 = run_prefill(q, k_cache, v_cache, md, 0.125, None)
     in_float32 = run_prefill(q.float(), k_cache, v_cache, md, 0.125, None)
     assert in_bf16.dtype == torch.bfloat16 and torch.equal(in_bf16, in_float32.bfloat16())
+
+
+# ---- the checked build -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checked_build():
+    """The kernels built with their bounds checks (PAGEDSERVE_NATIVE_CHECKS=1 gives every load this build)."""
+    lib = cpu_attention.load(tuple(native.build_flags("paged_attention", checks=True)))
+    assert lib is not None
+    return lib
+
+
+def _kernel_args(kernel):
+    """(q, caches, out, the kernel's index tensors, its block tables, its seq_lens) of a small step."""
+    if kernel == "decode":
+        q, k_cache, v_cache, md = decode_case([1, 17, 70, 33], 16, 3, 9, 64)
+        return q, k_cache, v_cache, [md.decode_token_indices], md.decode_block_tables.clone(), md.decode_seq_lens
+    q, k_cache, v_cache, md = prefill_case([(0, 70), (30, 45), (17, 33)], 16, 3, 9, 64)
+    q_starts, num_new, seq_lens, tables = md.prefill_batch(tuple(md.prefill_req_indices))
+    return q, k_cache, v_cache, [q_starts, num_new], tables.clone(), seq_lens
+
+
+def _run(kernel, q, k_cache, v_cache, index, tables, seq_lens):
+    out = torch.zeros_like(q)
+    fn = cpu_attention.decode_attention if kernel == "decode" else cpu_attention.prefill_attention
+    fn(q, k_cache, v_cache, out, *index, tables.contiguous(), seq_lens, 0.125, None)
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_the_checked_build_refuses_a_block_id_outside_the_pool(kernel, checked_build, monkeypatch):
+    q, k_cache, v_cache, index, tables, seq_lens = _kernel_args(kernel)
+    expected = _run(kernel, q, k_cache, v_cache, index, tables, seq_lens)  # the default build
+    monkeypatch.setattr(cpu_attention, "load", lambda: checked_build)
+    assert torch.equal(_run(kernel, q, k_cache, v_cache, index, tables, seq_lens), expected)  # checks change nothing
+    num_blocks = k_cache.shape[0]
+    for bad in (num_blocks, -1, 1 << 40):
+        wrong = tables.clone()
+        wrong[2, 1] = bad  # a block the third request reads (its second)
+        with pytest.raises(IndexError, match=f"request 2's block table holds block id {bad}, outside the pool "
+                                             f"of {num_blocks} blocks"):
+            _run(kernel, q, k_cache, v_cache, index, wrong, seq_lens)
+    with pytest.raises(IndexError, match="more than its block table of 1 blocks"):
+        _run(kernel, q, k_cache, v_cache, index, tables[:, :1], seq_lens)  # a table narrower than its context

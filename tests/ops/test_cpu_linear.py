@@ -16,20 +16,17 @@ from pagedserve.ops import native
 from pagedserve.ops import cpu_linear
 
 
-def cpu_flags() -> set[str]:
-    return set(native.cpu_features().split())
-
-
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 def kernel_isa(dtype: torch.dtype) -> str | None:
-    """The instructions csrc/linear.c computes `dtype` with on this CPU: AVX-512 (bfloat16 only with
-    its BF16 dot products), else AVX2 with FMA (bfloat16 widened to float32), else none."""
-    flags = cpu_flags()
-    if "avx512f" in flags:
-        return "avx512" if dtype == torch.float32 or "avx512_bf16" in flags else None
-    return "avx2" if {"avx2", "fma"} <= flags else None
+    """The instructions csrc/linear.c computes `dtype` with in this build (this CPU's, or those of
+    the -march that PAGEDSERVE_NATIVE_MARCH names): AVX-512 (bfloat16 only with its BF16 dot
+    products), else AVX2 with FMA (bfloat16 widened to float32), else none."""
+    defines = native.target_defines("linear")
+    if "__AVX512F__" in defines:
+        return "avx512" if dtype == torch.float32 or "__AVX512BF16__" in defines else None
+    return "avx2" if {"__AVX2__", "__FMA__"} <= defines else None
 
 
 def require(dtype: torch.dtype) -> torch.dtype:

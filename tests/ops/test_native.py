@@ -62,6 +62,34 @@ def test_a_recording_notes_every_call_in_order():
     assert [(fn.__name__, args) for fn, args in calls] == [("abs", (-4,)), ("labs", (5,))]
 
 
+def test_a_recording_notes_only_the_calls_of_its_own_thread():
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None)
+    started, other_called = threading.Event(), threading.Event()
+    other_calls: list = []
+
+    def other_engine() -> None:  # another engine's thread, stepping while this one records
+        started.wait()
+        native.call(libc.labs, -7)
+        with native.recording() as mine:  # and it may record at the same time, into its own list
+            native.call(libc.abs, -8)
+        other_calls.extend(mine)
+        other_called.set()
+
+    thread = threading.Thread(target=other_engine)
+    thread.start()
+    with native.recording() as calls:
+        native.call(libc.abs, -1)
+        started.set()
+        assert other_called.wait(10)
+        native.call(libc.abs, -2)
+    thread.join()
+    assert [(fn.__name__, args) for fn, args in calls] == [("abs", (-1,)), ("abs", (-2,))]
+    assert [(fn.__name__, args) for fn, args in other_calls] == [("abs", (-8,))]
+
+
 def test_building_ahead_compiles_every_source_once_for_the_loads(cache, compiler_runs, monkeypatch):
     # Unoptimised: what is tested is who compiles what, and -O3 takes a minute on two cores.
     monkeypatch.setattr(native, "SOURCES", {name: ["-O0" if f == "-O3" else f for f in flags]
@@ -88,3 +116,17 @@ def test_nothing_is_built_ahead_with_the_kernels_off(cache, monkeypatch):
     finally:
         native.build_ahead.cache_clear()
     assert not cache.exists() or not list(cache.glob("*.so"))
+
+
+def test_a_build_variant_comes_from_the_arguments_or_the_environment(monkeypatch):
+    for var in (native.CHECKS_ENV, native.SANITIZE_ENV, native.MARCH_ENV):
+        monkeypatch.delenv(var, raising=False)
+    assert native.build_flags("linear") == native.SOURCES["linear"]
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    monkeypatch.setenv(native.CHECKS_ENV, "1")
+    flags = native.build_flags("fused_ops")
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags and "-DPAGEDSERVE_CHECKS" in flags
+    assert "-ffp-contract=off" in flags  # the library's own flags kept
+    explicit = native.build_flags("fused_ops", checks=False, sanitize=True, march="x86-64")
+    assert "-march=x86-64" in explicit and "-DPAGEDSERVE_CHECKS" not in explicit
+    assert all(f in explicit for f in native.SANITIZE_FLAGS)

@@ -17,7 +17,7 @@ from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.models.loader import load_model
-from pagedserve.ops import cpu_linear
+from pagedserve.ops import cpu_attention, cpu_linear, native
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker import cpu_graphs
 from pagedserve.worker.cpu_graphs import CpuDecodeGraph, NotRecordable, _Watch
@@ -114,6 +114,21 @@ def test_a_weight_written_after_the_recording_ends_the_replays(tiny_checkpoint):
         assert graph.can_run(md)
         model.model.layers[1].mlp.down_proj.weight.mul_(2)
         assert not graph.can_run(md)
+
+
+@needs_replays
+def test_a_replay_in_the_checked_build_refuses_a_block_id_outside_the_pool(tiny_checkpoint, monkeypatch):
+    checked = cpu_attention.load(tuple(native.build_flags("paged_attention", checks=True)))
+    monkeypatch.setattr(cpu_attention, "load", lambda: checked)  # the recording notes the checked kernel
+    model, config = load_model(str(tiny_checkpoint("llama")[0]))
+    with torch.inference_mode():
+        caches, tables = prefilled(model, config, [5, 20], torch.float32)
+        graph = graph_over(model, caches)
+        ids = torch.tensor([1, 2])
+        graph.run(ids, torch_md(tables, [5, 20], [1, 1]))
+        tables[1][0] = NUM_BLOCKS  # one past the pool's last block, in a block the step only reads
+        with pytest.raises(RuntimeError, match=r"\(paged_decode_attention\) failed"):
+            graph.run(ids, torch_md(tables, [5, 20], [1, 1]))
 
 
 def test_forward_work_outside_the_kernels_is_not_recorded(tiny_checkpoint, monkeypatch):

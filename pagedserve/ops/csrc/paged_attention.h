@@ -1,17 +1,17 @@
 /* Attention over a paged KV cache, for CPUs, in float32, over a float32, bfloat16 or fp8 cache:
  * paged_decode_attention (paged_decode.c) for one-token requests, paged_prefill_attention
  * (paged_prefill.c) for the rest. This header holds what both share. They are two translation units
- * so that a cold start compiles them at once, one per core (pagedserve/native.py links them into
+ * so that a cold start compiles them at once, one per core (pagedserve/ops/native.py links them into
  * one library); -O3 spends most of a cold start's compile on these kernels.
  *
- * Built by pagedserve/native.py with the system C compiler on first use and called
+ * Built by pagedserve/ops/native.py with the system C compiler on first use and called
  * through ctypes; tests/ops/test_cpu_attention.py holds both against the torch oracle.
  *
  * Layouts (C-contiguous):
  *   q, out           [num_tokens, num_heads, head_dim]   only rows token_indices[r] are used; float32,
  *                    or bfloat16 where bf16_io (q widened exactly, out rounded once)
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
- *   token_indices, seq_lens [n]; block_tables [n, table_stride] (int64)
+ *   token_indices, seq_lens [n]; block_tables [n, table_stride] (int64), ids in 0..num_blocks-1
  * Query head h reads KV head h / (num_heads / num_kv_heads). Request r, at position
  * p = seq_lens[r] - 1, sees key positions j with p - window < j <= p (window <= 0: every j <= p).
  * Scores are (q . k) * scale and the softmax runs in float32, as in transformers' eager attention.
@@ -42,7 +42,7 @@ struct paged_kv {
 
 /* One vector register of floats: 16 with AVX-512, 8 with AVX2 (a 16-float vector there lives on
  * the stack, and a tile of them spills: kernels ran at a thirtieth of the speed). head_dim must
- * be a multiple of 16 (cpu_kernel.supports checks). */
+ * be a multiple of 16 (ops/cpu_attention.supports checks). */
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define VL 8
 #else
@@ -130,6 +130,30 @@ static inline uint16_t float_to_bf16(float x)
     if ((bits & 0x7fffffffu) > 0x7f800000u)
         return (uint16_t)((bits >> 16) | 0x40); /* NaN stays a (quiet) NaN */
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+}
+
+/* The kernels' status codes, besides 0 (done): no memory for scratch space; in a checked build, a
+ * block id outside the pool or a sequence longer than its block table. */
+enum { PAGED_NO_MEMORY = -1, PAGED_BAD_BLOCK = -2, PAGED_SHORT_TABLE = -3 };
+
+/* Whether a request's table can be read for keys first..len-1: in a build with PAGEDSERVE_CHECKS
+ * (ops/native.py, a debug build), its blocks of those keys lie within the table and name blocks of
+ * the pool, else the status to return; a block id out of range would otherwise be read out of bounds.
+ * Without the checks, always 0: the engine's block tables come from the block pool. */
+static inline int check_table(const int64_t *table, int64_t first, int64_t len, int64_t block_size,
+                              int64_t table_stride, int64_t num_blocks)
+{
+#ifdef PAGEDSERVE_CHECKS
+    const int64_t end = (len + block_size - 1) / block_size;
+    if (end > table_stride)
+        return PAGED_SHORT_TABLE;
+    for (int64_t b = first / block_size; b < end; b++)
+        if (table[b] < 0 || table[b] >= num_blocks)
+            return PAGED_BAD_BLOCK;
+#else
+    (void)table, (void)first, (void)len, (void)block_size, (void)table_stride, (void)num_blocks;
+#endif
+    return 0;
 }
 
 #endif

@@ -394,22 +394,29 @@ static inline __attribute__((always_inline)) void attend_request_bf16(
 }
 #endif
 
-/* format: KV_F32, KV_BF16, or KV_FP8 (e4m3 bytes, to be multiplied by k_scale and v_scale; else 1).
+/* num_blocks: the pool's blocks (block ids run 0..num_blocks-1; checked in a checked build).
+ * format: KV_F32, KV_BF16, or KV_FP8 (e4m3 bytes, to be multiplied by k_scale and v_scale; else 1).
  * bf16_io: q and out are bfloat16 (q widened on entry, exactly; out rounded once), else float32.
  * Token t's query heads start at element t * q_stride of q (q_stride = heads * head_dim when q is
  * contiguous; larger for a view of the fused qkv output); its output at t * heads * head_dim. */
 int paged_decode_attention(
     const void *q, const void *k_cache, const void *v_cache, void *out,
     const int64_t *token_indices, const int64_t *block_tables, const int64_t *seq_lens,
-    int64_t n, int64_t q_stride, int64_t table_stride, int64_t block_size,
+    int64_t n, int64_t q_stride, int64_t table_stride, int64_t num_blocks, int64_t block_size,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale, int bf16_io)
 {
     const struct paged_kv kv = {k_cache, v_cache, block_size, num_kv_heads * head_dim};
     const int64_t group = num_heads / num_kv_heads, q_size = num_heads * head_dim;
     int64_t max_len = 1;
-    for (int64_t r = 0; r < n; r++)
-        max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t len = seq_lens[r], first = window > 0 && len > window ? len - window : 0;
+        const int status = check_table(block_tables + r * table_stride, first, len, block_size, table_stride,
+                                       num_blocks);
+        if (status != 0)
+            return status;
+        max_len = len > max_len ? len : max_len;
+    }
     int failed = 0;
     /* bfloat16 queries over a bfloat16 cache: bf16 dot products where the CPU has them. */
     const int bf16_dot = HAVE_BF16_DOT && bf16_io && format == KV_BF16 && head_dim % (2 * VL) == 0;
@@ -482,6 +489,6 @@ int paged_decode_attention(
         }
         free(scores);
     }
-    return failed ? -1 : 0;
+    return failed ? PAGED_NO_MEMORY : 0;
 }
 

@@ -446,21 +446,27 @@ int has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
 /* Request r's new tokens are rows q_starts[r]..q_starts[r] + num_new[r] - 1 of q and out, at
  * positions seq_lens[r] - num_new[r] ... seq_lens[r] - 1; its K/V (the new tokens' included) are
- * already in the cache. Layouts, format and bf16_io as for paged_decode_attention; bfloat16 q over a
- * bfloat16 cache multiply in bfloat16 where the CPU can (prefill_tile_bf16). */
+ * already in the cache. Layouts, num_blocks, format and bf16_io as for paged_decode_attention;
+ * bfloat16 q over a bfloat16 cache multiply in bfloat16 where the CPU can (prefill_tile_bf16). */
 int paged_prefill_attention(
     const void *q, const void *k_cache, const void *v_cache, void *out,
     const int64_t *q_starts, const int64_t *num_new, const int64_t *block_tables, const int64_t *seq_lens,
-    int64_t n, int64_t table_stride, int64_t block_size,
+    int64_t n, int64_t table_stride, int64_t num_blocks, int64_t block_size,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale, int bf16_io)
 {
     const struct paged_kv kv = {k_cache, v_cache, block_size, num_kv_heads * head_dim};
     const int64_t group = num_heads / num_kv_heads;
+    for (int64_t r = 0; r < n; r++) {
+        const int status = check_table(block_tables + r * table_stride, staged_from(seq_lens[r] - num_new[r], window),
+                                       seq_lens[r], block_size, table_stride, num_blocks);
+        if (status != 0)
+            return status;
+    }
     /* Per request: its first query tile, first staged key tile, and where its staged K/V start. */
     int64_t *tile_start = malloc(sizeof(int64_t) * 3 * (n + 1));
     if (tile_start == NULL)
-        return -1;
+        return PAGED_NO_MEMORY;
     int64_t *key_tile_start = tile_start + n + 1, *stage_offset = key_tile_start + n + 1;
     tile_start[0] = key_tile_start[0] = stage_offset[0] = 0;
     for (int64_t r = 0; r < n; r++) {
@@ -476,7 +482,7 @@ int paged_prefill_attention(
     float *staged = malloc(sizeof(float) * stage_offset[n]);
     if (staged == NULL) {
         free(tile_start);
-        return -1;
+        return PAGED_NO_MEMORY;
     }
     int failed = 0;
 
@@ -549,6 +555,6 @@ int paged_prefill_attention(
     }
     free(staged);
     free(tile_start);
-    return failed ? -1 : 0;
+    return failed ? PAGED_NO_MEMORY : 0;
 }
 

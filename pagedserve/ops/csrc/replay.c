@@ -1,7 +1,7 @@
 /* Replays a recorded decode forward: the C kernel calls of one forward pass of the model, in order,
  * with the arguments they were recorded with, except the row count (the step's number of
  * requests), which each replay sets. One call from Python runs the whole forward, where the eager
- * forward makes ~400 calls through ctypes and torch (pagedserve/engine/cpu_graphs.py says why and
+ * forward makes ~400 calls through ctypes and torch (pagedserve/worker/cpu_graphs.py says why and
  * records the calls; its KINDS lists the kernels this file runs).
  *
  * A call's integer and pointer arguments are in `ints`, its float ones in `floats`, each in the
@@ -11,7 +11,7 @@
 #include <string.h>
 
 enum { LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY, DECODE_ATTENTION, GATHER_ROWS, SCATTER_ROWS, QUANT_LINEAR, QUANT_ROWS };
-#define MAX_INTS 18
+#define MAX_INTS 19
 #define MAX_FLOATS 3
 
 typedef struct {
@@ -26,8 +26,8 @@ typedef void rms_norm_fn(const void *, void *, const void *, void *, int64_t, in
 typedef void silu_and_mul_fn(const void *, void *, int64_t, int64_t, int, int);
 typedef void rotary_fn(void *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, int, int);
 typedef int decode_attention_fn(const void *, const void *, const void *, void *, const int64_t *, const int64_t *,
-                                const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                                int64_t, int, int, float, float, int);
+                                const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                float, int64_t, int, int, float, float, int);
 typedef int gather_rows_fn(const void *, int64_t, const int64_t *, void *, int64_t, int64_t, int);
 typedef int scatter_rows_fn(const void *, int64_t, const int64_t *, void *, int64_t, int64_t, int64_t, int);
 typedef void quant_linear_fn(const void *, int64_t, int64_t, const void *, int64_t, void *, int64_t, int, int, int, int,
@@ -61,8 +61,8 @@ int64_t replay(const call_t *calls, int64_t count, int64_t rows)
             break;
         case DECODE_ATTENTION:
             if (((decode_attention_fn *)call->fn)(P(0), P(1), P(2), P(3), P(4), P(5), P(6), a[7], a[8], a[9], a[10],
-                                                  a[11], a[12], a[13], f[0], a[14], (int)a[15], (int)a[16], f[1], f[2],
-                                                  (int)a[17]) != 0)
+                                                  a[11], a[12], a[13], a[14], f[0], a[15], (int)a[16], (int)a[17], f[1],
+                                                  f[2], (int)a[18]) != 0)
                 return c + 1;
             break;
         case GATHER_ROWS:
