@@ -89,7 +89,8 @@ class EngineConfig:
         self.distributed_executor_backend = resolve_executor_backend(self.distributed_executor_backend)
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
-        if self.calculate_kv_scales and self.kv_torch_dtype != torch.float8_e4m3fn:
+        kv_dtype = self.kv_torch_dtype  # a ValueError for a name it does not know, or a float type not the model's
+        if self.calculate_kv_scales and kv_dtype != torch.float8_e4m3fn:
             raise ValueError("calculate_kv_scales needs kv_cache_dtype='fp8'")
 
     @property

@@ -79,6 +79,26 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+# 4 heads, 1 KV head (replicated at TP=2), a vocabulary of the embedded tokenizer's size plus 1
+# (odd: the last rank's vocabulary slice has a padding row), Llama biases and tied embeddings.
+ODD_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=1, vocab_size=49153, max_position_embeddings=256, bos_token_id=1,
+                 eos_token_id=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def odd_checkpoint(tmp_path_factory, embedded_tokenizer) -> tuple[Path, torch.nn.Module]:
+    """(directory with weights and the embedded tokenizer, the transformers model): a checkpoint
+    the CLI can load by path and prompt with text."""
+    path = tmp_path_factory.mktemp("tiny-odd")
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**ODD_LLAMA), attn_implementation="eager",
+                                             dtype=torch.float32)
+    randomize_(model, seed=7)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    embedded_tokenizer.save_pretrained(path)
+    return path, model
+
+
 @pytest.fixture
 def compiler_runs(monkeypatch) -> list[str]:
     """The C libraries ops/native.py builds from here on, by name, one entry per link."""

@@ -1,8 +1,8 @@
 /* The decoder's elementwise steps, fused, for CPUs, in float32 or bfloat16: each is one pass over
  * memory where torch runs 5 to 14 separate operators (each a full read and write, and a dispatch).
  *
- * Built by pagedserve/native.py with the system C compiler on first use and called through ctypes
- * from pagedserve/models/fused_cpu.py; tests/ops/test_fused_cpu.py holds each against the torch
+ * Built by pagedserve/ops/native.py with the system C compiler on first use and called through ctypes
+ * from pagedserve/ops/fused_cpu.py; tests/ops/test_fused_cpu.py holds each against the torch
  * arithmetic of models/layers.py.
  *
  * Every function takes `bf16`: 0 for float32 tensors, 1 for bfloat16 ones. Arithmetic is float32;
