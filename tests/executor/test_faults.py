@@ -90,6 +90,22 @@ def test_a_worker_that_dies_while_starting_is_an_error_at_once(tiny_checkpoint, 
     assert children() == []
 
 
+def test_a_worker_slower_to_start_than_the_collective_timeout_still_joins(tiny_checkpoint, embedded_tokenizer,
+                                                                         tmp_path, monkeypatch):
+    """Starting a worker is not a collective: a worker that takes longer to start than
+    distributed_timeout (a busy machine) joins, and the engine serves."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time\nif '--multiprocessing-fork' in sys.argv:\n    time.sleep(4)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    path, _ = tiny_checkpoint("llama")
+    llm = make_llm(path, embedded_tokenizer, distributed_timeout=2.0)
+    try:
+        assert len(llm.generate(prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)) == 2
+    finally:
+        llm.shutdown()
+    assert children() == []
+
+
 def test_five_clean_shutdowns_in_a_row_leave_no_process_and_no_port(tiny_checkpoint, embedded_tokenizer):
     path, _ = tiny_checkpoint("llama")
     for _ in range(5):  # each start binds a fresh rendezvous port and starts a worker
