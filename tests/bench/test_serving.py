@@ -130,7 +130,63 @@ def test_the_comparison_divides_the_baseline_by_each_other_system():
     assert "| 1 | b | 100 / 200 (0.50x) | 200 / 400 (0.50x) | 20 / 10 (2.00x) | 40 / 20 (2.00x) | 100 / 50 (2.00x) |" in text
 
 
-def test_waiting_for_idle_cpus_waits_while_every_core_is_busy():
+class FakeMachine:
+    """CPUs whose busy share at time t is `load(t)`, read as /proc/stat-like tick counters; the
+    clock moves only when the waiter sleeps, so no bound depends on how loaded the real machine is."""
+
+    TICKS_PER_S = 100 * 2  # two CPUs
+
+    def __init__(self, load) -> None:
+        self.load, self.now, self.busy, self.total = load, 0.0, 0.0, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        steps = max(1, round(seconds / 0.01))
+        for i in range(steps):
+            self.busy += self.load(self.now + (i + 0.5) * seconds / steps) * seconds / steps * self.TICKS_PER_S
+        self.total += seconds * self.TICKS_PER_S
+        self.now += seconds
+
+    def cpu_times(self) -> tuple[int, int]:
+        return round(self.busy), round(self.total)
+
+    def wait(self, **kwargs) -> float:
+        return wait_until_idle(read_cpu_times=self.cpu_times, clock=self.clock, sleep=self.sleep, **kwargs)
+
+
+def test_waiting_for_idle_cpus_waits_while_busy_and_gives_up_at_the_deadline():
+    waited = FakeMachine(lambda t: 1.0).wait(threshold=0.3, window_s=0.2, timeout_s=1.0)
+    assert 1.0 <= waited <= 1.2 + 1e-9  # the deadline, and no more than the window it ends in
+
+
+@pytest.mark.parametrize("quiet_from", [0.0, 0.3, 2.1, 7.5])
+def test_waiting_for_idle_cpus_ends_with_the_first_quiet_window(quiet_from):
+    machine = FakeMachine(lambda t: 1.0 if t < quiet_from else 0.1)  # 10% busy counts as quiet at 0.3
+    waited = machine.wait(threshold=0.3, window_s=0.2, timeout_s=30.0)
+    # The first window that is at most 30% busy: it may start up to 0.06 s before quiet_from.
+    assert max(0.2, quiet_from) - 0.06 <= waited <= quiet_from + 0.4 + 1e-9
+
+
+def test_a_load_at_the_threshold_is_busy():
+    waited = FakeMachine(lambda t: 0.3).wait(threshold=0.3, window_s=0.5, timeout_s=3.0)
+    assert waited >= 3.0
+
+
+def test_without_cpu_counters_the_wait_is_a_few_seconds():
+    def no_proc_stat():
+        raise OSError("no /proc/stat")
+
+    machine = FakeMachine(lambda t: 1.0)
+    assert wait_until_idle(timeout_s=30.0, read_cpu_times=no_proc_stat, clock=machine.clock, sleep=machine.sleep) == 5.0
+    assert wait_until_idle(timeout_s=1.0, read_cpu_times=no_proc_stat, clock=machine.clock, sleep=machine.sleep) == 1.0
+
+
+@pytest.mark.timing
+def test_the_machine_counters_see_every_core_busy_while_spinners_run():
+    """The real /proc/stat and clock: with a spinner on every core the wait runs to its deadline. (Only
+    a lower bound: a busier machine waits as long.)"""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
         assert wait_until_idle(threshold=0.3, window_s=0.2, timeout_s=1.0) >= 1.0
@@ -138,4 +194,3 @@ def test_waiting_for_idle_cpus_waits_while_every_core_is_busy():
         for p in spinners:
             p.kill()
             p.wait()
-    assert wait_until_idle(threshold=0.3, window_s=0.2, timeout_s=5.0) < 5.0
