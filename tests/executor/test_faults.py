@@ -21,7 +21,7 @@ from pagedserve.executor.base import ExecutorFailed
 from pagedserve.sampling_params import SamplingParams
 from tests.executor.conftest import alive, children
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.tp, pytest.mark.timeout(300)]
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
