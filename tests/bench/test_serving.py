@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
 from server_harness import MODEL, serve_engine  # noqa: E402
 
+from pagedserve.bench import serving  # noqa: E402
 from pagedserve.bench.serving import (  # noqa: E402
     format_comparison, format_report, format_table, median_reports, plot, run_serving_bench, wait_until_idle)
 from pagedserve.bench.workload import sharegpt_like  # noqa: E402
@@ -32,6 +33,7 @@ def url(embedded_model, embedded_tokenizer):
         yield server.url
 
 
+@pytest.mark.slow  # a server, on the embedded model
 def test_load_generator_measures_every_request(url, tmp_path):
     workload = sharegpt_like(num_requests=5, seed=1, prompt_len=(4, 40), output_len=(2, 8), vocab=range(100, 4000))
     reports = [asyncio.run(run_serving_bench(url, workload, rate, MODEL, progress=False)) for rate in (float("inf"), 50.0)]
@@ -56,13 +58,24 @@ def test_load_generator_measures_every_request(url, tmp_path):
     assert (tmp_path / "serving.png").stat().st_size > 5000
 
 
+@pytest.mark.slow  # a server, on the embedded model
 def test_a_wrong_model_name_is_counted_as_failures(url):
     workload = sharegpt_like(num_requests=2, seed=1, prompt_len=(4, 8), output_len=(2, 3), vocab=range(100, 4000))
     report = asyncio.run(run_serving_bench(url, workload, float("inf"), "no-such-model", progress=False))
     assert report["completed"] == 0 and report["failed"] == 2 and report["errors"]
 
 
-def test_two_named_urls_give_one_table_and_a_comparison(url, tmp_path, capsys):
+@pytest.fixture
+def idle_waits(monkeypatch) -> list[None]:
+    """The bench's waits for quiet CPUs, counted instead of waited: on a shared machine each would
+    run to its 30 s deadline, and these tests are about the tables."""
+    waits = []
+    monkeypatch.setattr(serving, "wait_until_idle", lambda: waits.append(None))
+    return waits
+
+
+@pytest.mark.slow  # a server, on the embedded model
+def test_two_named_urls_give_one_table_and_a_comparison(url, tmp_path, capsys, idle_waits):
     cli.main(["bench", "serving", "--url", f"first={url}", f"second={url}/", "--model-name", MODEL,
               "--num-requests", "3", "--max-output-len", "17", "--request-rate", "inf", "40",
               "--warmup-requests", "2", "--out-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
@@ -79,9 +92,11 @@ def test_two_named_urls_give_one_table_and_a_comparison(url, tmp_path, capsys):
     # each rate draws its own prompts, so that none is served from the prefix cache of an earlier run
     assert reports[0]["workload"] == reports[1]["workload"] != reports[2]["workload"] == reports[3]["workload"]
     assert "3 requests per rate, new prompts at each rate" in table
+    assert len(idle_waits) == len(reports)  # the CPUs go quiet before each run
 
 
-def test_rounds_take_turns_on_new_prompts_and_report_medians(url, tmp_path):
+@pytest.mark.slow  # a server, on the embedded model
+def test_rounds_take_turns_on_new_prompts_and_report_medians(url, tmp_path, idle_waits):
     cli.main(["bench", "serving", "--url", f"first={url}", f"second={url}", "--model-name", MODEL,
               "--num-requests", "3", "--max-output-len", "9", "--request-rate", "inf", "--rounds", "3",
               "--warmup-requests", "0", "--out-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
@@ -99,6 +114,7 @@ def test_rounds_take_turns_on_new_prompts_and_report_medians(url, tmp_path):
     first_row = next(row for row in table.splitlines() if row.startswith("| first | inf |"))
     assert f"/ {median * 1e3:.0f} |" in first_row  # the TTFT p50 / p99 cell
     assert "rounds, of 3, in which first was at least as good" in table
+    assert len(idle_waits) == len(runs)
 
 
 def test_medians_and_round_counts():
