@@ -222,6 +222,7 @@ def test_a_tools_own_refs_mean_its_parameters_inside_the_calls_schema():
             jsonschema.validate([{"name": "f", "parameters": bad}], schema)
 
 
+@pytest.mark.timing
 def test_a_big_schema_does_not_stall_a_streaming_neighbour(server):
     """Hundreds of optional properties take a while to compile (400: 0.6 s on an idle machine,
     several on a busy one): the neighbour's tokens keep coming meanwhile, as the compile runs off
