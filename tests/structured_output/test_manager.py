@@ -74,6 +74,7 @@ def reference(embedded_hf_model, embedded_tokenizer):
     return out
 
 
+@pytest.mark.slow
 def test_greedy_json_schema_matches_transformers_with_xgrammar(llm, reference):
     outputs = llm.generate(PROMPTS, constrained(json=PERSON), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
@@ -83,6 +84,7 @@ def test_greedy_json_schema_matches_transformers_with_xgrammar(llm, reference):
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_sampled_outputs_always_parse(llm):
     """32 sampled requests at temperature 1, with n = 2 each: every sample is valid."""
     params = [SamplingParams(n=2, max_tokens=128, temperature=1.0, seed=i,
