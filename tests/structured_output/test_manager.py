@@ -100,6 +100,7 @@ def test_sampled_outputs_always_parse(llm):
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_free_rows_are_untouched_by_constrained_rows_in_their_batch(llm):
     free = SamplingParams(max_tokens=24, temperature=0.0)
     alone = llm.generate(PROMPTS, free, use_tqdm=False)
@@ -110,6 +111,7 @@ def test_free_rows_are_untouched_by_constrained_rows_in_their_batch(llm):
         jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
 
 
+@pytest.mark.slow
 def test_grammar_state_survives_preemption(embedded_model, embedded_tokenizer, llm):
     """A pool that fits one sequence at a time: requests are preempted and recomputed mid-JSON;
     their grammar has accepted exactly their output tokens, so they finish as they would have."""
