@@ -52,7 +52,8 @@ def random_step(reqs, block_size, kv_heads, heads, dim, gen):
     return tables, k_cache, v_cache, q, k, v
 
 
-@pytest.mark.parametrize("decode_path", [pytest.param("kernel", marks=pytest.mark.slow), "sdpa"])
+@pytest.mark.slow
+@pytest.mark.parametrize("decode_path", ["kernel", "sdpa"])
 @settings(max_examples=60, deadline=None)
 @given(step=steps())
 def test_sdpa_matches_the_oracle(decode_path, step):

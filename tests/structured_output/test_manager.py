@@ -160,6 +160,7 @@ def test_a_structural_tag_in_vllms_older_form_is_the_triggered_tags_it_means(llm
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_json_object_is_any_object(llm):
     """An object of any shape has no length bound: the samples that end, end as a JSON object."""
     params = SamplingParams(n=2, max_tokens=96, temperature=0.8, seed=3,
@@ -335,6 +336,7 @@ def gated_build(llm, monkeypatch):
     gate.set()
 
 
+@pytest.mark.slow
 def test_a_compiling_grammar_holds_up_no_other_request(llm, gated_build):
     manager, gate, started = gated_build
     engine = llm.llm_engine

@@ -154,6 +154,7 @@ def test_the_intermediates_share_one_arena(embedded_model):
     assert graph.arena.numel() < graph.intermediate_bytes / config.num_layers
 
 
+@pytest.mark.slow
 def test_an_engine_gives_the_same_tokens_with_and_without_replays(monkeypatch):
     prompts = [list(range(10 + i, 40 + 5 * i)) for i in range(6)]
     params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
@@ -185,6 +186,7 @@ def test_an_engine_gives_the_same_tokens_with_and_without_replays(monkeypatch):
         assert not replayed
 
 
+@pytest.mark.slow
 def test_an_engine_that_records_its_decode_steps_never_imports_dynamo():
     """torch._dynamo takes about 0.65 s to import, and nothing on CPU compiles: building an engine
     (model on the meta device, RoPE table, decode recording where the CPU allows one) and serving a request leaves it

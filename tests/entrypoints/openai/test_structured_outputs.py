@@ -181,6 +181,7 @@ def test_a_late_grammar_is_a_400_naming_its_field(server):
     assert r.json()["error"]["param"] == "guided_regex" and "did not compile within" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_tool_choice_required_takes_pydantic_schemas_with_refs(server):
     from pydantic import BaseModel
 
