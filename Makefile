@@ -1,10 +1,10 @@
-# `make run` and `make test` create (or reuse) .venv, install everything, then do their job.
+# `make run`, `make test` and `make test-quick` create (or reuse) .venv, install everything, then do their job.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench-memory clean
+.PHONY: run test test-quick bench-memory clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Every test but the slow ones, Ray's, tensor parallelism's and those that time the machine
+# (markers in pyproject.toml).
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not ray and not tp and not timing"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -18,6 +18,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -74,29 +75,36 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
     return record
 
 
-def wait_until_idle(threshold: float = 0.05, window_s: float = 0.5, timeout_s: float = 30.0) -> float:
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine since boot, in clock ticks (Linux's /proc/stat).
+    Idle and iowait are not busy."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+def wait_until_idle(threshold: float = 0.05, window_s: float = 0.5, timeout_s: float = 30.0, *,
+                    read_cpu_times: Callable[[], tuple[int, int]] = cpu_times,
+                    clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> float:
     """Wait until the machine's CPUs were busy less than `threshold` of a `window_s` window, at most
     `timeout_s`; return the seconds waited. A server that has just answered may keep a core busy:
     vLLM's CPU worker polls for its next step for a few seconds after its last request (1 CPU-second
-    in the 3 s after one request, on the test machine), which would slow whichever system runs next."""
-    def busy_and_total() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return sum(fields) - fields[3] - fields[4], sum(fields)  # idle and iowait are not busy
-
-    start = time.monotonic()
+    in the 3 s after one request, on the test machine), which would slow whichever system runs next.
+    The CPU counters, clock and sleep can be replaced (tests)."""
+    start = clock()
     try:
-        before = busy_and_total()
+        before = read_cpu_times()
     except OSError:  # not Linux: no way to look, so just give it a few seconds
-        time.sleep(min(5.0, timeout_s))
-        return time.monotonic() - start
-    while time.monotonic() - start < timeout_s:
-        time.sleep(window_s)
-        after = busy_and_total()
+        sleep(min(5.0, timeout_s))
+        return clock() - start
+    while clock() - start < timeout_s:
+        sleep(window_s)
+        after = read_cpu_times()
         if after[1] > before[1] and (after[0] - before[0]) / (after[1] - before[1]) < threshold:
             break
         before = after
-    return time.monotonic() - start
+    return clock() - start
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

@@ -70,6 +70,24 @@ def find_culprits(rows: list[int], error: Exception,
     return culprits or dict.fromkeys(rows, error)
 
 
+# The text of the errors torch and Triton raise for a failed CUDA call (older torch has no
+# AcceleratorError and raises a plain RuntimeError).
+_DEVICE_ERROR_TEXTS = ("CUDA error", "Triton Error [CUDA]")
+
+
+def is_device_error(error: BaseException) -> bool:
+    """Whether `error` came from the device (an illegal memory access, a device-side assert)
+    rather than from host code. Such an error leaves the CUDA context unusable: every later call
+    fails too, so retrying the step or bisecting it cannot pin it on a request. Running out of
+    memory is not one: the device stays usable."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _DEVICE_ERROR_TEXTS)
+
+
 def validate_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
     """ValueError unless the prompt is 1..max_model_len token ids of the vocabulary."""
     if not token_ids:
@@ -132,6 +150,7 @@ class EngineCore:
         self.stats = EngineStats()
         self._groups: dict[str, list[Request]] = {}  # user request id -> its samples
         self._pending_forks: dict[Hashable, list[Request]] = {}  # first sample -> samples to fork
+        self._device_failure: str | None = None  # set once the device failed: no step runs after it
 
     @property
     def vocab_size(self) -> int:
@@ -211,7 +230,10 @@ class EngineCore:
         """Run one step; return what every sample that took a token, or failed, got.
 
         A step that raises is contained: see `_contain_fault`. One that is interrupted (Ctrl-C)
-        before it commits is undone, then the interrupt goes on."""
+        before it commits is undone, then the interrupt goes on. A device error is not contained:
+        it raises ExecutorFailed, now and at every later step."""
+        if self._device_failure is not None:
+            raise ExecutorFailed(self._device_failure)
         start = time.perf_counter()
         resolved = self._resolve_grammars() if self._grammar_jobs else []
         plan = self.scheduler.schedule()
@@ -288,7 +310,19 @@ class EngineCore:
 
     def _compute(self, plan: SchedulerOutput, rows: list[int], samplers: list[Request]) -> _StepResult:
         """The part of a step that can fail: the forward pass and sampling. It changes no
-        request: only the K/V slots the plan reserved and the draws of the rows' generators."""
+        request: only the K/V slots the plan reserved and the draws of the rows' generators. A
+        device error raises ExecutorFailed (with it as the cause): no later step can run."""
+        try:
+            return self._forward_and_sample(plan, rows, samplers)
+        except Exception as error:
+            if not is_device_error(error):
+                raise
+            first_line = (str(error).splitlines() or [repr(error)])[0]
+            self._device_failure = f"the device failed ({first_line}); the engine can run no more steps"
+            logger.error("%s", self._device_failure, exc_info=(type(error), error, error.__traceback__))
+            raise ExecutorFailed(self._device_failure) from error
+
+    def _forward_and_sample(self, plan: SchedulerOutput, rows: list[int], samplers: list[Request]) -> _StepResult:
         spans = self._prompt_spans(plan)
         logits = self.executor.execute(plan, rows, spans)
         self.token_counts.forget(plan.freed)
@@ -524,7 +558,10 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def check_health(self) -> None:
-        """Raise ExecutorFailed once no step can run (a tensor-parallel worker is gone)."""
+        """Raise ExecutorFailed once no step can run (a tensor-parallel worker is gone, the device
+        failed)."""
+        if self._device_failure is not None:
+            raise ExecutorFailed(self._device_failure)
         self.executor.check_health()
 
     def shutdown(self) -> None:

@@ -38,6 +38,10 @@ from pagedserve.worker.tp_worker import join_group, leave_group, load_shard, run
 logger = logging.getLogger(__name__)
 
 WORKER_EXIT_GRACE = 10.0  # seconds a worker may take to exit after SHUTDOWN before it is killed
+# Seconds a spawned worker may take to start (a fresh interpreter importing torch) before it is
+# ready to join the group. Not the collective timeout: a busy machine can take far longer to
+# start a process than a healthy group takes to answer a collective.
+WORKER_START_TIMEOUT = 120.0
 
 
 def free_port() -> int:
@@ -101,14 +105,14 @@ class TensorParallelExecutor:
             self._processes.append(process)
             self._parent_ends.append(parent_end)  # held open: its closing tells the worker we are gone
             starting.append((rank, process, ready_end))
-        deadline = time.monotonic() + config.distributed_timeout
+        deadline = time.monotonic() + WORKER_START_TIMEOUT
         for rank, process, ready_end in starting:
             with ready_end:
                 wait([ready_end, process.sentinel], timeout=max(0.0, deadline - time.monotonic()))
                 if not _said_ready(ready_end):
                     process.join(5)  # its pipe closes a moment before it can be reaped
                     state = (f"exited with code {process.exitcode} while starting" if not process.is_alive()
-                             else f"was not ready within {config.distributed_timeout:.0f} s")
+                             else f"was not ready within {WORKER_START_TIMEOUT:.0f} s")
                     raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) {state}")
 
     @property

@@ -52,6 +52,7 @@ def random_step(reqs, block_size, kv_heads, heads, dim, gen):
     return tables, k_cache, v_cache, q, k, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode_path", ["kernel", "sdpa"])
 @settings(max_examples=60, deadline=None)
 @given(step=steps())

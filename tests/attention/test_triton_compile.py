@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,6 +21,7 @@ def run_python(args: list[str], cache_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_hopper_and_ampere_without_spilling(tmp_path):
     result = run_python(["scripts/triton_compile.py", "--quick", "--arch", "90", "80"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -29,6 +32,7 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spilling(tmp_path):
     assert sum(line.startswith("ok    sm_90") and "_decode" in line for line in lines) == 12
 
 
+@pytest.mark.slow
 def test_an_fp8_cache_does_not_compile_before_sm_89_as_fp8_supported_says(tmp_path):
     code = textwrap.dedent("""
         import sys, torch

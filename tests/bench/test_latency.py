@@ -14,6 +14,7 @@ from pagedserve.entrypoints.cli import main
 from pagedserve.models.loader import load_model
 
 
+@pytest.mark.slow
 def test_the_table_has_a_row_per_system_and_skips_llamacpp_without_its_python(tmp_path, embedded_tokenizer, capsys):
     main(["bench", "latency", "--prompt-len", "8", "--output-len", "4", "--reps", "1", "--bandwidth-gib", "0.0625",
           "--systems", "pagedserve,llamacpp", "--out-dir", str(tmp_path), "--json", str(tmp_path / "latency.json")])
@@ -50,6 +51,7 @@ def test_weight_bytes_per_decode_step(arch, tiny_checkpoint):
     assert decode_weight_bytes(load_model(str(path), torch.bfloat16)[0]) == expected // 2
 
 
+@pytest.mark.slow
 def test_gguf_weight_bytes_are_its_tensors(embedded_path):
     size = os.path.getsize(embedded_path)
     assert 0.9 * size < gguf_weight_bytes(embedded_path) < size  # the rest: metadata, the tokenizer's vocabulary

@@ -32,8 +32,11 @@ def test_a_scenario_measures_every_part_and_leaks_nothing(model_config, embedded
     assert row.skipped is None and set(row.parts_ms) == set(PARTS)
     for part in ("schedule", "prepare", "sample", "commit", "transport", "output", "stats"):
         assert row.parts_ms[part] > 0, part
-    assert row.parts_ms["forward"] >= 0 and row.total_ms > row.parts_ms["prepare"] + row.parts_ms["sample"]
-    assert row.parts_ms["prepare"] + row.parts_ms["sample"] < row.core_ms < row.total_ms
+    assert row.parts_ms["forward"] >= 0
+    # Each step's parts lie within its core time, and that within its total, so each median lies
+    # within the next. (A sum of medians need not: on a loaded machine different steps are slow.)
+    assert row.parts_ms["prepare"] < row.core_ms and row.parts_ms["sample"] < row.core_ms
+    assert row.core_ms < row.total_ms
     # Prefill, warm-up and timed steps: every token sampled is the dry run's fixed one.
     assert len(tokens) == 3 * (1 + 3 + 4) and set(tokens) == {DEFAULT_TOKEN}
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks == 64  # every block free again

@@ -22,6 +22,7 @@ def test_a_decode_step_splits_into_parts(tiny):
     assert profile.parts_s["broadcast"] == profile.parts_s["collectives"] == 0.0  # one process
 
 
+@pytest.mark.tp
 def test_tensor_parallel_steps_show_the_broadcast_and_the_collectives(tiny_checkpoint, embedded_tokenizer):
     profile = profile_decode(None, embedded_tokenizer, batch=3, steps=4, tensor_parallel_size=2,
                              model_path=str(tiny_checkpoint("llama")[0]), prompt_len=(4, 40), vocab=range(3, 120))

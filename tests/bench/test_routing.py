@@ -20,6 +20,7 @@ def test_the_table_gives_each_router_its_mean_spread_and_ratio_to_the_default():
     assert "2 run(s) per router" in table
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_a_small_run_end_to_end():
     # Ray Serve LLM's router alone: test_ray_app runs the default and pagedserve's routers on the

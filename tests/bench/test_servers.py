@@ -34,6 +34,7 @@ def test_vllm_needs_its_python_and_an_hf_directory():
         server_command("tgi", 8000, "m", "float32")
 
 
+@pytest.mark.slow
 def test_a_pagedserve_server_starts_answers_and_stops_cleanly():
     with launch("pagedserve", "bench-model", api_key="k") as server:
         models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer k"}).json()

@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
 from server_harness import MODEL, serve_engine  # noqa: E402
 
+from pagedserve.bench import serving  # noqa: E402
 from pagedserve.bench.serving import (  # noqa: E402
     format_comparison, format_report, format_table, median_reports, plot, run_serving_bench, wait_until_idle)
 from pagedserve.bench.workload import sharegpt_like  # noqa: E402
@@ -32,6 +33,7 @@ def url(embedded_model, embedded_tokenizer):
         yield server.url
 
 
+@pytest.mark.slow  # a server, on the embedded model
 def test_load_generator_measures_every_request(url, tmp_path):
     workload = sharegpt_like(num_requests=5, seed=1, prompt_len=(4, 40), output_len=(2, 8), vocab=range(100, 4000))
     reports = [asyncio.run(run_serving_bench(url, workload, rate, MODEL, progress=False)) for rate in (float("inf"), 50.0)]
@@ -56,13 +58,24 @@ def test_load_generator_measures_every_request(url, tmp_path):
     assert (tmp_path / "serving.png").stat().st_size > 5000
 
 
+@pytest.mark.slow  # a server, on the embedded model
 def test_a_wrong_model_name_is_counted_as_failures(url):
     workload = sharegpt_like(num_requests=2, seed=1, prompt_len=(4, 8), output_len=(2, 3), vocab=range(100, 4000))
     report = asyncio.run(run_serving_bench(url, workload, float("inf"), "no-such-model", progress=False))
     assert report["completed"] == 0 and report["failed"] == 2 and report["errors"]
 
 
-def test_two_named_urls_give_one_table_and_a_comparison(url, tmp_path, capsys):
+@pytest.fixture
+def idle_waits(monkeypatch) -> list[None]:
+    """The bench's waits for quiet CPUs, counted instead of waited: on a shared machine each would
+    run to its 30 s deadline, and these tests are about the tables."""
+    waits = []
+    monkeypatch.setattr(serving, "wait_until_idle", lambda: waits.append(None))
+    return waits
+
+
+@pytest.mark.slow  # a server, on the embedded model
+def test_two_named_urls_give_one_table_and_a_comparison(url, tmp_path, capsys, idle_waits):
     cli.main(["bench", "serving", "--url", f"first={url}", f"second={url}/", "--model-name", MODEL,
               "--num-requests", "3", "--max-output-len", "17", "--request-rate", "inf", "40",
               "--warmup-requests", "2", "--out-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
@@ -79,9 +92,11 @@ def test_two_named_urls_give_one_table_and_a_comparison(url, tmp_path, capsys):
     # each rate draws its own prompts, so that none is served from the prefix cache of an earlier run
     assert reports[0]["workload"] == reports[1]["workload"] != reports[2]["workload"] == reports[3]["workload"]
     assert "3 requests per rate, new prompts at each rate" in table
+    assert len(idle_waits) == len(reports)  # the CPUs go quiet before each run
 
 
-def test_rounds_take_turns_on_new_prompts_and_report_medians(url, tmp_path):
+@pytest.mark.slow  # a server, on the embedded model
+def test_rounds_take_turns_on_new_prompts_and_report_medians(url, tmp_path, idle_waits):
     cli.main(["bench", "serving", "--url", f"first={url}", f"second={url}", "--model-name", MODEL,
               "--num-requests", "3", "--max-output-len", "9", "--request-rate", "inf", "--rounds", "3",
               "--warmup-requests", "0", "--out-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
@@ -99,6 +114,7 @@ def test_rounds_take_turns_on_new_prompts_and_report_medians(url, tmp_path):
     first_row = next(row for row in table.splitlines() if row.startswith("| first | inf |"))
     assert f"/ {median * 1e3:.0f} |" in first_row  # the TTFT p50 / p99 cell
     assert "rounds, of 3, in which first was at least as good" in table
+    assert len(idle_waits) == len(runs)
 
 
 def test_medians_and_round_counts():
@@ -130,7 +146,63 @@ def test_the_comparison_divides_the_baseline_by_each_other_system():
     assert "| 1 | b | 100 / 200 (0.50x) | 200 / 400 (0.50x) | 20 / 10 (2.00x) | 40 / 20 (2.00x) | 100 / 50 (2.00x) |" in text
 
 
-def test_waiting_for_idle_cpus_waits_while_every_core_is_busy():
+class FakeMachine:
+    """CPUs whose busy share at time t is `load(t)`, read as /proc/stat-like tick counters; the
+    clock moves only when the waiter sleeps, so no bound depends on how loaded the real machine is."""
+
+    TICKS_PER_S = 100 * 2  # two CPUs
+
+    def __init__(self, load) -> None:
+        self.load, self.now, self.busy, self.total = load, 0.0, 0.0, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        steps = max(1, round(seconds / 0.01))
+        for i in range(steps):
+            self.busy += self.load(self.now + (i + 0.5) * seconds / steps) * seconds / steps * self.TICKS_PER_S
+        self.total += seconds * self.TICKS_PER_S
+        self.now += seconds
+
+    def cpu_times(self) -> tuple[int, int]:
+        return round(self.busy), round(self.total)
+
+    def wait(self, **kwargs) -> float:
+        return wait_until_idle(read_cpu_times=self.cpu_times, clock=self.clock, sleep=self.sleep, **kwargs)
+
+
+def test_waiting_for_idle_cpus_waits_while_busy_and_gives_up_at_the_deadline():
+    waited = FakeMachine(lambda t: 1.0).wait(threshold=0.3, window_s=0.2, timeout_s=1.0)
+    assert 1.0 <= waited <= 1.2 + 1e-9  # the deadline, and no more than the window it ends in
+
+
+@pytest.mark.parametrize("quiet_from", [0.0, 0.3, 2.1, 7.5])
+def test_waiting_for_idle_cpus_ends_with_the_first_quiet_window(quiet_from):
+    machine = FakeMachine(lambda t: 1.0 if t < quiet_from else 0.1)  # 10% busy counts as quiet at 0.3
+    waited = machine.wait(threshold=0.3, window_s=0.2, timeout_s=30.0)
+    # The first window that is at most 30% busy: it may start up to 0.06 s before quiet_from.
+    assert max(0.2, quiet_from) - 0.06 <= waited <= quiet_from + 0.4 + 1e-9
+
+
+def test_a_load_at_the_threshold_is_busy():
+    waited = FakeMachine(lambda t: 0.3).wait(threshold=0.3, window_s=0.5, timeout_s=3.0)
+    assert waited >= 3.0
+
+
+def test_without_cpu_counters_the_wait_is_a_few_seconds():
+    def no_proc_stat():
+        raise OSError("no /proc/stat")
+
+    machine = FakeMachine(lambda t: 1.0)
+    assert wait_until_idle(timeout_s=30.0, read_cpu_times=no_proc_stat, clock=machine.clock, sleep=machine.sleep) == 5.0
+    assert wait_until_idle(timeout_s=1.0, read_cpu_times=no_proc_stat, clock=machine.clock, sleep=machine.sleep) == 1.0
+
+
+@pytest.mark.timing
+def test_the_machine_counters_see_every_core_busy_while_spinners_run():
+    """The real /proc/stat and clock: with a spinner on every core the wait runs to its deadline. (Only
+    a lower bound: a busier machine waits as long.)"""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
         assert wait_until_idle(threshold=0.3, window_s=0.2, timeout_s=1.0) >= 1.0
@@ -138,4 +210,3 @@ def test_waiting_for_idle_cpus_waits_while_every_core_is_busy():
         for p in spinners:
             p.kill()
             p.wait()
-    assert wait_until_idle(threshold=0.3, window_s=0.2, timeout_s=5.0) < 5.0

@@ -3,9 +3,12 @@ its first token. (No timing is asserted.)"""
 
 import shutil
 
+import pytest
+
 from pagedserve.bench.startup import format_table, run_startup_bench
 
 
+@pytest.mark.slow
 def test_cold_then_warm_starts_each_reach_a_first_token(tiny_checkpoint, embedded_tokenizer, tmp_path, monkeypatch):
     # The C kernels off: a cold start would compile them (test_native.py covers building), which
     # is most of this test's time and none of what it checks.

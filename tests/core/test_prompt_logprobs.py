@@ -11,6 +11,8 @@ import torch
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.test_llm_engine import assert_all_free, make_llm, prompts  # noqa: F401
 
+pytestmark = pytest.mark.slow  # long prompts scored on the real model, and by transformers
+
 TOL = 1e-3  # as test_llm_engine's check of sampled logprobs
 
 

@@ -25,6 +25,8 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # every test starts an engine core process
+
 PROMPTS = [[5, 17, 33, 8], [9, 9, 40, 41, 42, 3, 7], [100, 101], [60] * 20]
 
 
@@ -162,6 +164,7 @@ def test_the_core_freezes_its_startup_objects_before_it_reports_ready(tiny, embe
     assert match and int(match.group(1)) > 10_000, log
 
 
+@pytest.mark.timing
 def test_the_core_process_dies_everyone_in_flight_fails_fast_and_a_new_core_serves(tiny, embedded_tokenizer):
     engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120, restart_backoff=0.5)
     engine.start()

@@ -123,6 +123,7 @@ def test_cancelling_or_leaving_early_aborts_the_request(async_engine, engine):
     assert async_engine.stats.kv.used_blocks == 0
 
 
+@pytest.mark.slow
 def test_a_refused_request_raises_and_the_others_carry_on(async_engine, reference):
     async def main():
         good = asyncio.ensure_future(collect(async_engine, PROMPTS[2]))

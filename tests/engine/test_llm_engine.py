@@ -80,13 +80,14 @@ def test_greedy_batch_matches_transformers(llm, prompts, reference):
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("block_size", [1, 32])
+@pytest.mark.parametrize("block_size", [pytest.param(1, marks=pytest.mark.slow), 32])
 def test_block_size_does_not_change_outputs(embedded_model, embedded_tokenizer, prompts, reference, block_size):
     llm = make_llm(embedded_model, embedded_tokenizer, block_size=block_size, num_kv_blocks=4096 // block_size)
     assert generate_ids(llm, prompts) == reference
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_preemption_and_recompute_do_not_change_outputs(embedded_model, embedded_tokenizer, prompts, reference):
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     llm = make_llm(embedded_model, embedded_tokenizer, num_kv_blocks=-(-longest // 16) + 2, max_model_len=longest + 16,
@@ -96,6 +97,7 @@ def test_preemption_and_recompute_do_not_change_outputs(embedded_model, embedded
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("caching", [True, False])
 def test_prefix_caching_on_and_off(embedded_model, embedded_tokenizer, prompts, reference, caching):
     llm = make_llm(embedded_model, embedded_tokenizer, enable_prefix_caching=caching)
@@ -107,6 +109,7 @@ def test_prefix_caching_on_and_off(embedded_model, embedded_tokenizer, prompts, 
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_warm_up_step_changes_no_output_and_counts_nothing(embedded_model, embedded_tokenizer, prompts, reference):
     # A budget of 1,100 tokens warms up as prompts of 512, 512 and 76 over blocks 0-68: the
     # blocks the requests are then given, holding the warm-up's keys and values.
@@ -124,6 +127,7 @@ def test_warm_up_step_changes_no_output_and_counts_nothing(embedded_model, embed
         core.warm_up()
 
 
+@pytest.mark.slow
 def test_reset_prefix_cache_makes_the_next_run_cold(embedded_model, embedded_tokenizer, prompts, reference):
     llm = make_llm(embedded_model, embedded_tokenizer)
     assert generate_ids(llm, prompts[:1]) == reference[:1]
@@ -142,6 +146,7 @@ def test_reset_prefix_cache_makes_the_next_run_cold(embedded_model, embedded_tok
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_small_token_budget_chunks_every_prompt(embedded_model, embedded_tokenizer, prompts, reference):
     llm = make_llm(embedded_model, embedded_tokenizer, max_num_batched_tokens=7)
     assert min(len(p) for p in prompts) > 7
@@ -149,6 +154,7 @@ def test_small_token_budget_chunks_every_prompt(embedded_model, embedded_tokeniz
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_requests_join_while_others_are_mid_generation(embedded_model, embedded_tokenizer, prompts, reference):
     llm = make_llm(embedded_model, embedded_tokenizer)
     engine = llm.llm_engine
@@ -171,6 +177,7 @@ def test_requests_join_while_others_are_mid_generation(embedded_model, embedded_
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_request_metrics_time_the_queue_the_prompt_and_the_decode(embedded_model, embedded_tokenizer, prompts):
     # One request at a time: the second waits in the queue until the first has finished.
     llm = make_llm(embedded_model, embedded_tokenizer, max_num_seqs=1)
@@ -194,6 +201,7 @@ def test_request_metrics_time_the_queue_the_prompt_and_the_decode(embedded_model
     assert_all_free(two)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(llm, prompts):
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
     alone = llm.generate([{"prompt_token_ids": prompts[1]}], seeded, use_tqdm=False)[0].outputs[0].token_ids
@@ -207,6 +215,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_any_batch(llm, prompts):
     assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_parallel_samples_share_the_prompt_blocks(embedded_model, embedded_tokenizer, prompts):
     prompt = prompts[1]
     assert len(prompt) % 16  # its last block is part-full, so the first write into it must copy
@@ -291,6 +300,7 @@ def test_logprobs_match_transformers(llm, prompts, embedded_hf_model):
     assert o.cumulative_logprob == pytest.approx(cumulative)
 
 
+@pytest.mark.slow
 def test_abort_mid_generation_frees_everything(llm, prompts):
     engine = llm.llm_engine
     for i in range(3):

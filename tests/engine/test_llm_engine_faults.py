@@ -1,16 +1,18 @@
 """A fault stays with the request that caused it: a step that raises is retried, bisected down to
 the request at fault, undone, and only that request ends (finish_reason "error"); the others get
 exactly the tokens they get without it, the prefix cache keeps nothing the failed step was to
-write, and every block is free afterwards."""
+write, and every block is free afterwards. A device error is the exception: it ends the engine."""
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.engine_core import find_culprits
+from pagedserve.core.engine_core import find_culprits, is_device_error
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
+from pagedserve.executor.base import ExecutorFailed
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.fault_injection import forward_fails_for
 
@@ -71,6 +73,37 @@ def test_rows_that_fail_only_together_are_blamed_together(n, data):
     assert sorted(found) == list(range(min(found), max(found) + 1))  # the smallest part holding both
 
 
+# ---- telling device errors from host faults ----------------------------------------------------
+
+ILLEGAL_ACCESS = ("CUDA error: an illegal memory access was encountered\n"
+                  "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
+                  "below might be incorrect.")
+# How torch reports a failed CUDA call: AcceleratorError in recent versions, RuntimeError before.
+DEVICE_ERRORS = {
+    "accelerator-error": lambda: torch.AcceleratorError(ILLEGAL_ACCESS),
+    "device-assert": lambda: torch.AcceleratorError("CUDA error: device-side assert triggered"),
+    "runtime-error": lambda: RuntimeError(ILLEGAL_ACCESS),
+    "triton": lambda: RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"),
+}
+
+
+@pytest.mark.parametrize("make", DEVICE_ERRORS.values(), ids=DEVICE_ERRORS.keys())
+def test_errors_of_the_device_are_device_errors(make):
+    assert is_device_error(make())
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("injected fault in the forward pass"),
+    RuntimeError("Overflow when unpacking long long"),  # a sampling parameter out of range
+    ValueError("CUDA error"),  # not an error torch raises for a device
+    IndexError("index 49153 is out of bounds for dimension 0 with size 49152"),
+    UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),  # the detokenizer
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),  # the device stays usable
+], ids=["runtime", "overflow", "value", "index", "unicode", "out-of-memory"])
+def test_host_faults_are_not_device_errors(error):
+    assert not is_device_error(error)
+
+
 # ---- the engine --------------------------------------------------------------------------------
 
 
@@ -116,9 +149,10 @@ def test_the_offline_api_returns_the_failed_request_with_its_error(embedded_mode
     llm = make_llm(embedded_model, embedded_tokenizer)
     poison = embedded_tokenizer.encode(" zebra")[0]
     bad = {"prompt_token_ids": embedded_tokenizer.encode("Tell me about the") + [poison]}
-    with forward_fails_for(embedded_model[0], poison):
+    with forward_fails_for(embedded_model[0], poison) as injected:
         outputs = llm.generate(PROMPTS[:4] + [bad] + PROMPTS[4:], INNOCENT[:4] + [INNOCENT[1]] + INNOCENT[4:],
                                use_tqdm=False)
+    assert injected.raised > 2  # the step, its retry, then the parts of the bisection that hold it
     assert outputs[4].outputs[0].finish_reason == "error" and "injected fault" in outputs[4].error
     assert texts(outputs[:4] + outputs[5:]) == alone
     assert_all_free(llm.llm_engine)
@@ -219,3 +253,22 @@ def test_an_interrupted_step_is_undone_and_poisons_nothing(embedded_model, embed
                                                                   use_tqdm=False)[0]
     assert finished["p"].outputs[0].token_ids == fresh.outputs[0].token_ids
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("make", [DEVICE_ERRORS["accelerator-error"], DEVICE_ERRORS["runtime-error"]],
+                         ids=["accelerator-error", "runtime-error"])
+def test_a_device_error_ends_the_engine_instead_of_failing_one_request(embedded_model, embedded_tokenizer, make):
+    """After an illegal memory access every CUDA call fails: the step is neither run again nor
+    bisected, the caller gets ExecutorFailed (as when a worker dies), and so does every later step."""
+    llm = make_llm(embedded_model, embedded_tokenizer)
+    poison = embedded_tokenizer.encode(" zebra")[0]
+    bad = {"prompt_token_ids": embedded_tokenizer.encode("Tell me about the") + [poison]}
+    with forward_fails_for(embedded_model[0], poison, error=make) as injected:
+        with pytest.raises(ExecutorFailed, match="the device failed .*illegal memory access") as failure:
+            llm.generate(PROMPTS[:3] + [bad], INNOCENT[:3] + [INNOCENT[1]], use_tqdm=False)
+    assert injected.raised == 1
+    assert type(failure.value.__cause__) is type(make())
+    with pytest.raises(ExecutorFailed, match="illegal memory access"):  # the engine stays failed
+        llm.generate(PROMPTS[:1], INNOCENT[:1], use_tqdm=False)
+    with pytest.raises(ExecutorFailed, match="illegal memory access"):  # and its health says so
+        llm.llm_engine.core.check_health()

@@ -80,6 +80,7 @@ def test_tp_size_that_does_not_split_the_model_names_the_accepted_sizes():
         main(["kv-calc", "--model", "smollm2-135m", "--tensor-parallel-size", "2"])
 
 
+@pytest.mark.slow
 def test_a_gguf_gives_its_shape_and_its_weight_bytes_by_format(capsys, embedded_path):
     assert resolve_shape(embedded_path) == dataclasses.replace(resolve_shape("smollm2-135m"),
                                                                name=os.path.basename(embedded_path))

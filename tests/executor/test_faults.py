@@ -21,7 +21,7 @@ from pagedserve.executor.base import ExecutorFailed
 from pagedserve.sampling_params import SamplingParams
 from tests.executor.conftest import alive, children
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.tp, pytest.mark.timeout(300)]
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
@@ -87,6 +87,22 @@ def test_a_worker_that_dies_while_starting_is_an_error_at_once(tiny_checkpoint, 
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code 3 while starting"):
         make_llm(path, embedded_tokenizer)
     assert time.monotonic() - start < 30
+    assert children() == []
+
+
+def test_a_worker_slower_to_start_than_the_collective_timeout_still_joins(tiny_checkpoint, embedded_tokenizer,
+                                                                         tmp_path, monkeypatch):
+    """Starting a worker is not a collective: a worker that takes longer to start than
+    distributed_timeout (a busy machine) joins, and the engine serves."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time\nif '--multiprocessing-fork' in sys.argv:\n    time.sleep(4)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    path, _ = tiny_checkpoint("llama")
+    llm = make_llm(path, embedded_tokenizer, distributed_timeout=2.0)
+    try:
+        assert len(llm.generate(prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)) == 2
+    finally:
+        llm.shutdown()
     assert children() == []
 
 

@@ -12,7 +12,7 @@ from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams
 from tests.models.test_llama import hf_greedy
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.tp, pytest.mark.timeout(300)]
 
 MAX_TOKENS = 16
 

@@ -19,7 +19,7 @@ from pagedserve.sampling_params import SamplingParams
 from tests.executor.conftest import alive, children
 from tests.entrypoints.openai.server_harness import MODEL, Server, serve
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.tp, pytest.mark.timeout(300)]
 
 PROMPT = "The capital of France is"
 

@@ -148,6 +148,7 @@ def test_a_damaged_file_never_gets_an_entry(cache, embedded_path, tmp_path):
     assert not gguf_cache.has_entry(str(damaged))
 
 
+@pytest.mark.slow
 def test_a_warm_start_reads_config_and_tokenizer_without_transformers_auto_classes(cache):
     """transformers' config classes and AutoTokenizer's lookup import about 1.5 s of its modules; a
     warm start reads the cached ModelConfig and the tokenizer's own class instead. Fresh processes,

@@ -82,6 +82,7 @@ def _step_bound(source: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return np.broadcast_to(step * 1.01 + 1e-7, blocks.shape).reshape(source.shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gguf_type", TYPES)
 def test_transformers_reads_the_gguf_as_the_dequantized_source(tiny, hf_model, gguf_type):
     folder, files = tiny
@@ -102,6 +103,7 @@ def test_transformers_reads_the_gguf_as_the_dequantized_source(tiny, hf_model, g
         assert (error <= _step_bound(source[name], qtype)).all(), f"{name}: {error.max()}"
 
 
+@pytest.mark.slow
 def test_pagedserve_greedy_matches_transformers_on_the_gguf(tiny, hf_model, monkeypatch, tmp_path):
     from pagedserve import LLM, SamplingParams
     from pagedserve.models import gguf_cache
@@ -123,6 +125,7 @@ def test_pagedserve_greedy_matches_transformers_on_the_gguf(tiny, hf_model, monk
     assert list(got) == expected
 
 
+@pytest.mark.slow
 def test_tokenizer_read_from_the_gguf_encodes_as_the_source(tiny):
     folder, files = tiny
     source = AutoTokenizer.from_pretrained(folder)
@@ -135,6 +138,7 @@ def test_tokenizer_read_from_the_gguf_encodes_as_the_source(tiny):
     assert (read_back.bos_token_id, read_back.eos_token_id) == (source.bos_token_id, source.eos_token_id)
 
 
+@pytest.mark.slow
 def test_vocabulary_fields_equal_those_llama_cpp_wrote_for_the_same_tokenizer(tiny, embedded_path):
     """The embedded SmolLM2 GGUF was written by llama.cpp's converter from the tokenizer the random
     models carry: every tokenizer field must come out the same."""
@@ -169,6 +173,7 @@ def test_refuses_a_checkpoint_it_would_convert_wrong(tmp_path):
         write_gguf(tmp_path, tmp_path / "x.gguf", "Q8_0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gguf_type", TYPES)
 def test_pagedserve_runs_the_gguf_as_stored(tiny, gguf_type, monkeypatch, tmp_path, paged_harness):
     """quantization="auto" keeps every matrix in the file's type (the untied LM head too) and

@@ -158,12 +158,18 @@ def test_the_intermediates_share_one_arena(embedded_model):
     caches = allocate_kv_cache(config.num_layers, 64, 16, config.num_kv_heads, config.head_dim, torch.float32)
     with torch.inference_mode():
         graph = CpuDecodeGraph.build(model, caches, 128, 8, 16, get_backend("torch"))
-    # Per layer and row the forward allocates ~8,500 floats; in the arena only a few layers' worth live.
-    per_layer_and_row = graph.intermediate_bytes / config.num_layers / 128 / 4
-    assert 8000 < per_layer_and_row < 9000
+    rows, floats = 128, 4
+    # Every layer allocates at least its fused q/k/v output and its gate/up output for each row,
+    # and the largest of those must fit in the arena whole.
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    gate_up = 2 * config.intermediate_size
+    assert graph.intermediate_bytes >= config.num_layers * rows * (qkv + gate_up) * floats
+    assert graph.arena.numel() >= rows * gate_up * floats
+    # Shared: the arena holds less than one layer's share of what the forward allocated.
     assert graph.arena.numel() < graph.intermediate_bytes / config.num_layers
 
 
+@pytest.mark.slow
 def test_an_engine_gives_the_same_tokens_with_and_without_replays(monkeypatch):
     prompts = [list(range(10 + i, 40 + 5 * i)) for i in range(6)]
     params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
@@ -195,6 +201,7 @@ def test_an_engine_gives_the_same_tokens_with_and_without_replays(monkeypatch):
         assert not replayed
 
 
+@pytest.mark.slow
 def test_an_engine_that_records_its_decode_steps_never_imports_dynamo():
     """torch._dynamo takes about 0.65 s to import, and nothing on CPU compiles: building an engine
     (model on the meta device, RoPE table, decode recording where the CPU allows one) and serving a request leaves it

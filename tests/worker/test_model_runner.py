@@ -29,6 +29,7 @@ def top_logprobs(llm, prompts):
     return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("calibrate", [False, True])
 def test_fp8_cache_quarters_kv_memory_and_stays_close(embedded_model, embedded_tokenizer, prompts, calibrate):
     budget = 64 << 20

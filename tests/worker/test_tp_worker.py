@@ -39,6 +39,7 @@ def tp1_output(odd_checkpoint) -> str:
     return out
 
 
+@pytest.mark.tp
 def test_pagedserve_worker_serves_a_driver_started_apart(odd_checkpoint, tp1_output):
     port = free_port()
     driver = subprocess.Popen([PAGEDSERVE, *GENERATE, "--model", str(odd_checkpoint[0]), "--tensor-parallel-size", "2"],
@@ -49,6 +50,7 @@ def test_pagedserve_worker_serves_a_driver_started_apart(odd_checkpoint, tp1_out
     finish(worker)  # exits 0 on the driver's shutdown
 
 
+@pytest.mark.tp
 def test_torchrun_runs_the_same_command_on_two_nodes(odd_checkpoint, tp1_output):
     port = free_port()
     nodes = [subprocess.Popen(

@@ -60,6 +60,7 @@ def json_body(response: bytes) -> dict:
 # ---- 1. the event loop never blocks ------------------------------------------------------------
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize(("route", "body", "param"), [
     ("completions", {"model": MODEL, "prompt": HUGE, "max_tokens": 4}, "prompt"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": HUGE}]}, "messages"),
@@ -145,6 +146,7 @@ def test_characters_the_tokenizer_drops_do_not_count(server, embedded_tokenizer)
 # ---- body limits and slow clients ----------------------------------------------------------------
 
 
+@pytest.mark.timing
 def test_a_body_over_the_limit_gets_a_413_at_once(server):
     with serve(build_app(server.async_engine, MODEL, max_body_bytes=1000)) as url:
         # Announced by Content-Length: answered before any of the body is sent.
@@ -170,6 +172,7 @@ def test_a_body_over_the_limit_gets_a_413_at_once(server):
         assert r.status_code == 200
 
 
+@pytest.mark.timing
 def test_slowloris_connections_are_closed_within_their_timeouts(server):
     header_timeout, body_timeout, margin = 1.0, 1.0, 1.0
     start_line = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
@@ -234,6 +237,7 @@ def sse_events(response: httpx.Response) -> list[str]:
     return [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
 
 
+@pytest.mark.timing
 def test_a_drain_lets_running_requests_finish_then_aborts_the_rest(server):
     """In process: the drain's steps, and every KV block free at the end."""
     app = build_app(server.async_engine, MODEL)
@@ -322,6 +326,7 @@ class ServeProcess:
         return "".join(self.lines)
 
 
+@pytest.mark.timing
 def test_sigterm_drains_a_serving_process():
     """The real thing: `pagedserve serve`, SIGTERM under load. Requests running at SIGTERM that fit
     the grace period finish; the rest end with an error; requests sent during the drain get a 503;

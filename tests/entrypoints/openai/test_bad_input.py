@@ -270,12 +270,14 @@ def check_response(response: httpx.Response) -> None:
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=completion_bodies)
 def test_fuzz_completions_never_5xx(server, body):
     check_response(post(server, "completions", body))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=chat_bodies)
 def test_fuzz_chat_never_5xx(server, body):

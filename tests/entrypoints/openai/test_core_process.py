@@ -25,6 +25,8 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.api_server import build_app
 
 
+pytestmark = pytest.mark.slow  # a server over an engine core process, and processes killed and restarted
+
 STALL_TIMEOUT = 3.0  # short, for the stopped-core test; a step of these tests takes well under it
 
 
@@ -97,6 +99,7 @@ def test_prompt_logprobs_cross_the_process_boundary(process_server, offline):
         pytest.approx(want[p][ids[p]].logprob, abs=1e-5) for p in range(1, len(ids))]
 
 
+@pytest.mark.timing
 def test_the_core_dies_under_load_requests_end_with_503_and_a_new_core_serves(process_server):
     url, engine = process_server.url, process_server.async_engine
     assert httpx.get(f"{url}/health").status_code == 200
@@ -160,6 +163,7 @@ def test_the_core_dies_under_load_requests_end_with_503_and_a_new_core_serves(pr
     assert_all_free(after)
 
 
+@pytest.mark.timing
 def test_a_stopped_core_turns_health_503_until_it_runs_again(process_server):
     url, engine = process_server.url, process_server.async_engine
     done = {}

@@ -142,6 +142,7 @@ FIELDS = {
 }
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(fields=st.fixed_dictionaries({}, optional=FIELDS), stream=st.booleans())

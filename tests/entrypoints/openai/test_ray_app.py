@@ -29,7 +29,7 @@ from pagedserve.sampling_params import SamplingParams
 from tests.conftest import randomize_
 from tests.entrypoints.openai.server_harness import read_metrics
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny-ray"
 KEY = "sk-test"
@@ -248,6 +248,7 @@ def test_serve_ray_without_ray_installed_prints_the_pip_command():
     assert "pip install 'pagedserve[ray]'" in result.stderr
 
 
+@pytest.mark.tp
 def test_serve_ray_runs_a_tensor_parallel_replica_and_sigterm_takes_it_all_down(checkpoint):
     """`pagedserve serve --ray` starts a Ray instance of its own (not the one this module runs);
     its replica here is a tensor-parallel engine with a worker process of its own. SIGTERM takes

@@ -167,6 +167,7 @@ HERMES_OUTPUT = ('Let me check.\n<tool_call>\n'
                  '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
 
 
+@pytest.mark.slow
 def test_auto_reads_the_models_calls_with_the_servers_parser(tool_server):
     """The 135M model does not call tools on its own, so a guided regex makes it write exactly
     HERMES_OUTPUT: tool_choice "auto" then goes through the server's hermes parser end to end,

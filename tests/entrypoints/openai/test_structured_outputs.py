@@ -181,6 +181,7 @@ def test_a_late_grammar_is_a_400_naming_its_field(server):
     assert r.json()["error"]["param"] == "guided_regex" and "did not compile within" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_tool_choice_required_takes_pydantic_schemas_with_refs(server):
     from pydantic import BaseModel
 
@@ -222,6 +223,7 @@ def test_a_tools_own_refs_mean_its_parameters_inside_the_calls_schema():
             jsonschema.validate([{"name": "f", "parameters": bad}], schema)
 
 
+@pytest.mark.timing
 def test_a_big_schema_does_not_stall_a_streaming_neighbour(server):
     """Hundreds of optional properties take a while to compile (400: 0.6 s on an idle machine,
     several on a busy one): the neighbour's tokens keep coming meanwhile, as the compile runs off
