@@ -279,7 +279,8 @@ def test_serve_ray_runs_a_tensor_parallel_replica_and_sigterm_takes_it_all_down(
         assert reply["choices"][0]["text"] == expected
         started = psutil.Process(server.pid).children(recursive=True)
         assert {"raylet", "gcs_server"} <= {p.name() for p in started}
-        replica = next(p for p in started if p.name() == "ray::ServeReplica:pagedserve:EngineReplica")
+        # Ray renames a worker while it runs a method ("...EngineReplica.check_health"): match the prefix.
+        replica = next(p for p in started if p.name().startswith("ray::ServeReplica:pagedserve:EngineReplica"))
         spawned = [c for c in replica.children(recursive=True) if "--multiprocessing-fork" in c.cmdline()]
         (core,) = [c for c in spawned if c.ppid() == replica.pid]  # the replica's engine core
         assert [c.ppid() for c in spawned if c is not core] == [core.pid]  # and its rank-1 worker
