@@ -8,8 +8,9 @@ resolved, so that building those flags does not load it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,6 +22,101 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXECUTOR_BACKENDS = ("auto", "mp", "external")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's keys: a proposer guesses up to `num_speculative_tokens`
+    tokens per request, one forward pass of the model scores them all, and the verifier keeps the
+    longest prefix the model agrees with plus one token of its own (the output is the same)."""
+
+    method: str  # ngram: prompt lookup; suffix: suffix trees over the request and recent outputs;
+    #              draft_model: a smaller model with the same tokenizer
+    num_speculative_tokens: int | None = None  # the most drafts per request per step (suffix: default 8)
+    prompt_lookup_min: int | None = None  # ngram: the shortest suffix of the tokens looked up earlier
+    prompt_lookup_max: int | None = None  # ngram: the longest
+    model: str | None = None  # draft_model: its HF directory or .gguf file
+    quantization: str | None = None  # draft_model: its weight format (as EngineConfig.quantization)
+    suffix_decoding_max_tree_depth: int = 24  # suffix: the longest context matched
+    suffix_decoding_max_cached_requests: int = 1000  # suffix: finished outputs kept to propose from
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: a continuation less frequent ends the draft
+    # Speculation stops for a step whose running requests exceed this: steps that large are bound by
+    # arithmetic, where verifying drafts costs as much as it saves. None: the measured default
+    # (DEFAULT_SPECULATION_MAX_BATCH).
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
+        """From a JSON object's text (the command line), a dict (`LLM(speculative_config=...)`) or
+        itself. ValueError for an unknown key or a bad value."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "method" not in value:
+            raise ValueError(f"speculative_config needs a method: one of {', '.join(SPECULATIVE_METHODS)}")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, value, limit: int | None = None) -> None:
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1
+                                      or (limit is not None and value > limit)):
+                bound = f" and <= {limit}" if limit else ""
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1{bound}, got {value!r}")
+
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        positive_int("num_speculative_tokens", self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS)
+        if self.num_speculative_tokens is None and self.method != "suffix":
+            raise ValueError(f"speculative_config: method {self.method!r} needs num_speculative_tokens")
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_max_tree_depth",
+                     "suffix_decoding_max_cached_requests", "disable_by_batch_size"):
+            positive_int(name, getattr(self, name))
+        if self.method == "ngram":
+            low = self.prompt_lookup_min or self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP[0]
+            high = self.prompt_lookup_max or max(low, DEFAULT_PROMPT_LOOKUP[1])
+            if low > high:
+                raise ValueError(f"speculative_config: prompt_lookup_min ({low}) > prompt_lookup_max ({high})")
+            object.__setattr__(self, "prompt_lookup_min", low)
+            object.__setattr__(self, "prompt_lookup_max", high)
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError("speculative_config: prompt_lookup_min/max are for method 'ngram'")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError("speculative_config: method 'draft_model' needs model (the draft's checkpoint)")
+            if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"speculative_config: quantization must be one of {', '.join(QUANTIZATIONS)}; "
+                                 f"got {self.quantization!r}")
+        elif self.model is not None or self.quantization is not None:
+            raise ValueError("speculative_config: model and quantization are for method 'draft_model'")
+        if self.method == "suffix" and self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_SUFFIX_TOKENS)
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError("speculative_config: suffix_decoding_min_token_prob must be in [0, 1], "
+                             f"got {self.suffix_decoding_min_token_prob!r}")
+
+    @property
+    def max_batch(self) -> int:
+        return self.disable_by_batch_size or DEFAULT_SPECULATION_MAX_BATCH
+
+
+DEFAULT_PROMPT_LOOKUP = (2, 5)  # ngram: (prompt_lookup_min, prompt_lookup_max) when neither is given
+DEFAULT_SUFFIX_TOKENS = 8
+DEFAULT_SPECULATION_MAX_BATCH = 16  # see SpeculativeConfig.disable_by_batch_size
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -63,6 +159,9 @@ class EngineConfig:
         EXECUTOR_BACKENDS)
     distributed_timeout: float = _setting(
         300.0, "tensor parallelism: seconds a collective may wait for the other ranks before the engine fails")
+    speculative_config: str | dict | SpeculativeConfig | None = _setting(
+        None, "speculative decoding, a JSON object with vLLM's keys: method (ngram, suffix, draft_model), "
+        "num_speculative_tokens, prompt_lookup_min/max (ngram), model and quantization (draft_model)")
     grammar_compile_timeout: float = _setting(
         10.0, "structured output: seconds a request may wait for its grammar to compile before it fails with a 400")
 
@@ -92,6 +191,8 @@ class EngineConfig:
         kv_dtype = self.kv_torch_dtype  # a ValueError for a name it does not know, or a float type not the model's
         if self.calculate_kv_scales and kv_dtype != torch.float8_e4m3fn:
             raise ValueError("calculate_kv_scales needs kv_cache_dtype='fp8'")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:

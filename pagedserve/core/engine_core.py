@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.messages import CoreStats, EngineCoreRequest, SampleOutput, TokenLogprobs
+from pagedserve.core.messages import CoreStats, EngineCoreRequest, SampleOutput, SpecDecodeStats, TokenLogprobs
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts, gather_logprobs
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.core.speculation import Speculation
 from pagedserve.executor import make_executor
 from pagedserve.executor.base import Executor, ExecutorFailed
 from pagedserve.kv import KVCacheManager, KVCacheStats
@@ -49,7 +50,10 @@ class _StepResult:
     """What a step computed, before it is applied."""
 
     samplers: list[Request]  # the requests that take a token this step
-    sampled: SamplerOutput | None  # aligned with samplers (None when there are none)
+    sampled: SamplerOutput | None  # one entry per token taken, in samplers' order (None when there are none)
+    # Per sampler, the tokens it takes: one, or with speculation the drafts kept and one more.
+    tokens: list[list[int]] = field(default_factory=list)
+    drafts: list[list[int]] | None = None  # per sampler, the drafts it verified (a speculative step)
     # The prompt positions this step scored, per request that asked: entries to append.
     prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]] = field(default_factory=list)
 
@@ -151,6 +155,9 @@ class EngineCore:
         self._groups: dict[str, list[Request]] = {}  # user request id -> its samples
         self._pending_forks: dict[Hashable, list[Request]] = {}  # first sample -> samples to fork
         self._device_failure: str | None = None  # set once the device failed: no step runs after it
+        self.speculation = None
+        if config.speculative_config is not None:
+            self.speculation = Speculation(config.speculative_config, self.executor.draft_proposer())
 
     @property
     def vocab_size(self) -> int:
@@ -326,17 +333,42 @@ class EngineCore:
         spans = self._prompt_spans(plan)
         logits = self.executor.execute(plan, rows, spans)
         self.token_counts.forget(plan.freed)
-        # The sampled rows' logits come first, then the prompt spans' (ModelRunner.execute).
-        prompt_logprobs = self._score_prompts(plan, spans, logits[len(rows):]) if spans else []
-        logits = logits[:len(rows)]
+        # The sampled rows' logits come first (with drafts, 1 + k rows per request), then the
+        # prompt spans' (ModelRunner.execute).
+        drafts = [plan.spec_token_ids[i] for i in rows]
+        num_sampled = len(rows) + sum(len(d) for d in drafts)
+        prompt_logprobs = self._score_prompts(plan, spans, logits[num_sampled:]) if spans else []
+        logits = logits[:num_sampled]
         if not samplers:  # every request of the step is a prefill chunk with more to come
-            return _StepResult(samplers, None, prompt_logprobs)
+            return _StepResult(samplers, None, prompt_logprobs=prompt_logprobs)
+        if plan.has_drafts:
+            return self._verify(samplers, drafts, logits, prompt_logprobs)
         batch = SamplingBatch.build(
             [r.sampling_params for r in samplers], [r.prompt_token_ids for r in samplers],
             [r.output_token_ids for r in samplers], [r.generator for r in samplers], self.eos_token_ids,
             logits.device, self.token_counts, [r.request_id for r in samplers],
             self.structured_output.bitmask([r.grammar for r in samplers], logits.device))
-        return _StepResult(samplers, self.sampler(logits, batch), prompt_logprobs)
+        sampled = self.sampler(logits, batch)
+        return _StepResult(samplers, sampled, [[t] for t in sampled.token_ids], prompt_logprobs=prompt_logprobs)
+
+    def _verify(self, samplers: list[Request], drafts: list[list[int]], logits: torch.Tensor,
+                prompt_logprobs: list) -> _StepResult:
+        """Sample a speculative step: request i's 1 + k rows each see the request's output with the
+        drafts before them, for everything that reads it (penalties, min_tokens, its grammar)."""
+        params, prompts, outputs, generators = [], [], [], []
+        for request, request_drafts in zip(samplers, drafts):
+            for j in range(len(request_drafts) + 1):
+                params.append(request.sampling_params)
+                prompts.append(request.prompt_token_ids)
+                outputs.append(request.output_token_ids + request_drafts[:j])
+                generators.append(request.generator)
+        # The penalties' counts are kept per request, not per draft position: padded here instead.
+        batch = SamplingBatch.build(
+            params, prompts, outputs, generators, self.eos_token_ids, logits.device,
+            grammar_bitmask=self.structured_output.draft_bitmask([r.grammar for r in samplers], drafts,
+                                                                 logits.device))
+        tokens, sampled = self.sampler.verify(logits, batch, drafts, [r.generator for r in samplers])
+        return _StepResult(samplers, sampled, tokens, drafts, prompt_logprobs)
 
     @staticmethod
     def _prompt_spans(plan: SchedulerOutput) -> list[tuple[int, int, int]]:
@@ -386,52 +418,79 @@ class EngineCore:
             for child in self._pending_forks.pop(request.request_id, ()):
                 self.scheduler.fork(request, child)
         outputs = []
+        first = 0  # the sampler's entry of each request's first token
         for k, request in enumerate(result.samplers):
+            tokens = result.tokens[k]
+            first, entries = first + len(tokens), range(first, first + len(tokens))
             if request.is_finished:
                 continue  # its group failed on an earlier row
             try:
-                outputs.append(self._append_token(request, result.sampled, k))
+                outputs.append(self._append_tokens(request, tokens, result.sampled, entries))
+                if result.drafts and result.drafts[k]:
+                    self.speculation.record(request, len(result.drafts[k]), len(tokens) - 1)
             except Exception as e:
                 logger.exception("request %s failed while taking its token", request.group_id)
                 outputs = [o for o in outputs if o.request_id != request.group_id]
                 outputs += self._fail(request, f"the engine failed on this request: {e!r}")
         for group_id in dict.fromkeys(o.request_id for o in outputs if o.finish_reason is not None):
             self._end_if_done(group_id)
+        if self.speculation is not None:
+            for request in plan.requests:
+                request.spec_token_ids = []  # run: the next ones are proposed from what it has now
+            running = self.scheduler.running
+            self.speculation.propose([r for r in running if r.num_computed_tokens == r.num_tokens - 1],
+                                     self.max_model_len, len(running))
         return outputs
 
-    def _append_token(self, request: Request, sampled: SamplerOutput, j: int) -> SampleOutput:
-        token = sampled.token_ids[j]
+    def _append_tokens(self, request: Request, tokens: list[int], sampled: SamplerOutput,
+                       entries: range) -> SampleOutput:
+        """Append the step's tokens to the request, in order, up to the first that ends it (the
+        rest are dropped); a speculative step that kept fewer tokens than it computed rewinds it."""
         params = request.sampling_params
-        request.append_token(token)
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = [TokenLogprobs(sampled.logprobs[j], sampled.ranks[j], sampled.top_logprobs[j] or [])]
         prompt_logprobs = None
         if request.prompt_logprobs is not None:
             # Its first token: the prompt is computed and scored. Sent once; a recomputation
             # after a preemption scores nothing again.
             prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
-
-        # Stop conditions on token ids, in vLLM's order. None apply before min_tokens, except
-        # the length. Stop strings are the front's (it reads text).
-        status, stop_reason = None, None
-        num_out = len(request.output_token_ids)
-        if request.grammar is not None and not self._advance_grammar(request, token):
-            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing more may follow
-        elif num_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        if status is None and (num_out >= max_tokens or request.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
+        first_output = not request.output_token_ids
+        status, stop_reason, taken = None, None, []
+        for token in tokens:
+            request.append_token(token)
+            taken.append(token)
+            status, stop_reason = self._stop_condition(request, token)
+            if status is not None:
+                break
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [TokenLogprobs(sampled.logprobs[j], sampled.ranks[j], sampled.top_logprobs[j] or [])
+                        for j in entries[: len(taken)]]
         if status is not None:
             self.scheduler.finish(request, status)
-        return SampleOutput(request.group_id, request.sample_index, [token], logprobs,
+        elif request.num_computed_tokens >= request.num_tokens:
+            # Drafts were rejected: their K/V is not the request's. Its last token is computed next step.
+            self.scheduler.rewind(request, request.num_tokens - 1)
+        return SampleOutput(request.group_id, request.sample_index, taken, logprobs,
                             status.value if status else None, stop_reason, request.num_cached_tokens or 0,
                             prompt_logprobs=prompt_logprobs,
-                            scheduled_time=request.scheduled_time if num_out == 1 else None)
+                            scheduled_time=request.scheduled_time if first_output else None)
+
+    def _stop_condition(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        """Whether `token`, just appended, ends the request: (its status, the stop token) or (None,
+        None). Conditions on token ids, in vLLM's order; none apply before min_tokens, except the
+        length. Stop strings are the front's (it reads text)."""
+        params = request.sampling_params
+        num_out = len(request.output_token_ids)
+        if request.grammar is not None and not self._advance_grammar(request, token):
+            return RequestStatus.FINISHED_STOPPED, None  # the grammar is complete: nothing more may follow
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if params.stop_token_ids and token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if num_out >= max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
 
     @staticmethod
     def _advance_grammar(request: Request, token: int) -> bool:
@@ -520,12 +579,19 @@ class EngineCore:
             elif not request.is_finished:
                 self.scheduler.finish(request, status)
             self._pending_forks.pop(request.request_id, None)
+        self._forget_speculation(samples)
 
     def _end_if_done(self, group_id: str) -> None:
         samples = self._groups.get(group_id)
         if samples is not None and all(r.is_finished for r in samples):
             del self._groups[group_id]
             self._count_finished(samples)
+            self._forget_speculation(samples)
+
+    def _forget_speculation(self, samples: list[Request]) -> None:
+        if self.speculation is not None:
+            for request in samples:
+                self.speculation.finish(request)
 
     def _count_finished(self, samples: list[Request]) -> None:
         self.stats.num_requests += 1
@@ -545,8 +611,13 @@ class EngineCore:
 
     def core_stats(self) -> CoreStats:
         num_waiting = len(self.scheduler.waiting) + len(self._grammar_jobs)
+        spec = None
+        if self.speculation is not None:
+            c = self.speculation.counters
+            spec = SpecDecodeStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
+                                   list(c.accepted_per_position))
         return CoreStats(len(self.scheduler.running), num_waiting, self.kv.stats(),
-                         self.scheduler.num_preemptions)
+                         self.scheduler.num_preemptions, spec)
 
     def fast_paths(self) -> dict[str, str | None]:
         """The forward's fast paths (decode replays, the C kernels on CPU): None for each taken, else

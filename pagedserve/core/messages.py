@@ -72,6 +72,24 @@ class SampleOutput(msgspec.Struct, array_like=True):
     error_param: str | None = None
 
 
+class SpecDecodeStats(msgspec.Struct, array_like=True):
+    """Speculative decoding's totals, as vLLM's spec_decode metrics count them."""
+
+    num_drafts: int  # request-steps verified with at least one draft
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]  # [j]: drafts accepted at position j
+
+    def plus(self, other: SpecDecodeStats | None) -> SpecDecodeStats:
+        if other is None:
+            return self
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        per_position = [a + b for a, b in zip(self.accepted_per_position + [0] * width,
+                                              other.accepted_per_position + [0] * width)][:width]
+        return SpecDecodeStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                               self.num_accepted_tokens + other.num_accepted_tokens, per_position)
+
+
 class CoreStats(msgspec.Struct, array_like=True):
     """The core's figures after a step. Counts are per sequence (a request with n samples is n)."""
 
@@ -79,6 +97,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_waiting: int
     kv: KVCacheStats
     num_preemptions: int
+    spec: SpecDecodeStats | None = None  # with speculative decoding
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="outputs"):

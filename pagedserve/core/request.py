@@ -65,6 +65,10 @@ class Request:
         # sends them with its first token. None otherwise.
         self.prompt_logprobs: list[TokenLogprobs] | None = (
             [] if sampling_params.prompt_logprobs is not None and sample_index == 0 else None)
+        # Speculative decoding: the drafts the next step verifies (proposed after this request's
+        # last token; the scheduler may cut them, preemption drops them), and how many it may take.
+        self.spec_token_ids: list[int] = []
+        self.spec_budget: int | None = None  # set by the engine's speculation policy
 
     @property
     def num_tokens(self) -> int:

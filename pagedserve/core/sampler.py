@@ -9,6 +9,7 @@ from it alone, so its tokens do not depend on the other rows of the batch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.rejection_sampler import rejection_sample
 from pagedserve.structured_output.manager import apply_bitmask
 
 _PAD = -1  # pads ragged token-id lists; remapped to a spill column when counting
@@ -229,19 +231,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows
-        # Out-of-place ops only below: the caller's logits stay untouched.
-        logits = logits.float()
-        raw = logits
-
-        if batch.grammar_bitmask is not None:
-            logits = apply_bitmask(logits, *batch.grammar_bitmask)
-        if batch.blocked is not None:
-            logits = logits.index_put(batch.blocked, torch.tensor(float("-inf"), device=logits.device))
-        if batch.logit_bias is not None:
-            rows, tokens, biases = batch.logit_bias
-            logits = logits.index_put((rows, tokens), biases, accumulate=True)
-        logits = apply_penalties(logits, batch)
-
+        raw = logits.float()
+        logits = self._steer(raw, batch)
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)
         elif batch.random_rows is None:
@@ -252,14 +243,72 @@ class Sampler:
 
         return gather_logprobs(raw, sampled, batch.num_logprobs)
 
-    def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
-        """Samples the (non-greedy) rows of `logits`, aligned with batch.random_rows."""
+    @torch.inference_mode()
+    def verify(self, logits: Tensor, batch: SamplingBatch, drafts: list[list[int]],
+               generators: list[torch.Generator | None]) -> tuple[list[list[int]], SamplerOutput]:
+        """Speculative decoding's verifier. Request i has len(drafts[i]) + 1 rows of `logits` and of
+        `batch`, one after another (row j: its distribution after drafts[i][:j]). Greedy requests keep
+        the longest prefix of drafts that matches the argmax, then the argmax after it; sampled ones
+        keep what rejection sampling accepts, then a token from the target's distribution
+        (rejection_sampler.py), drawing from `generators[i]` (None: the engine's). Returns each
+        request's tokens (1 to len(drafts[i]) + 1), and every kept token's logprobs, flat in that order."""
+        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows == sum(len(d) + 1 for d in drafts)
+        raw = logits.float()
+        steered = self._steer(raw, batch)
+        starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        kept: list[list[int]] = [[] for _ in drafts]
+        if batch.all_greedy:
+            random_rows = set()
+        else:
+            random_rows = set(range(batch.num_rows) if batch.random_rows is None else batch.random_rows.tolist())
+        random_requests = [i for i in range(len(drafts)) if starts[i] in random_rows]
+        if random_requests:
+            probs = self._probs(steered if batch.random_rows is None else steered[batch.random_rows], batch)
+            engine_generator = self._engine_generator(probs.device)
+            accepted = rejection_sample(probs, [drafts[i] for i in random_requests], None,
+                                        [generators[i] or engine_generator for i in random_requests])
+            for i, tokens in zip(random_requests, accepted):
+                kept[i] = tokens
+        argmax = steered.argmax(dim=-1).tolist()
+        for i, request_drafts in enumerate(drafts):
+            if kept[i]:
+                continue
+            targets = argmax[starts[i] : starts[i + 1]]
+            n = 0
+            while n < len(request_drafts) and request_drafts[n] == targets[n]:
+                n += 1
+            kept[i] = targets[: n + 1]  # the accepted drafts (equal to the targets), then the target's own
+        rows = [starts[i] + j for i, tokens in enumerate(kept) for j in range(len(tokens))]
+        flat = torch.tensor([t for tokens in kept for t in tokens], dtype=torch.long, device=raw.device)
+        return kept, gather_logprobs(raw[torch.tensor(rows, device=raw.device)], flat,
+                                     [batch.num_logprobs[r] for r in rows])
+
+    @staticmethod
+    def _steer(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """What steers every row, greedy ones too: the grammar's bitmask, min_tokens, logit_bias and
+        the penalties. Out of place: the caller's (raw) logits stay untouched."""
+        if batch.grammar_bitmask is not None:
+            logits = apply_bitmask(logits, *batch.grammar_bitmask)
+        if batch.blocked is not None:
+            logits = logits.index_put(batch.blocked, torch.tensor(float("-inf"), device=logits.device))
+        if batch.logit_bias is not None:
+            rows, tokens, biases = batch.logit_bias
+            logits = logits.index_put((rows, tokens), biases, accumulate=True)
+        return apply_penalties(logits, batch)
+
+    @staticmethod
+    def _probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """The distribution the (non-greedy) rows of `logits`, aligned with batch.random_rows, sample
+        from: temperature, min-p, top-k, top-p."""
         logits = logits / batch.temperature.unsqueeze(1)
         if batch.min_p is not None:
             logits = apply_min_p(logits, batch.min_p)
         logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
 
+    def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """Samples the (non-greedy) rows of `logits`, aligned with batch.random_rows."""
+        probs = self._probs(logits, batch)
         q = torch.empty_like(probs)
         seeded = [(i, g) for i, g in enumerate(batch.generators) if g is not None]
         if len(seeded) < len(batch.generators):

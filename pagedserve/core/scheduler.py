@@ -32,7 +32,9 @@ class SchedulerOutput:
     have replaced it) to the end; and the requests whose tables the runner may forget."""
 
     requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)  # tokens each request runs now
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each request runs now, drafts included
+    # Per request, the draft tokens it runs after its last known one (speculative decoding; else []).
+    spec_token_ids: list[list[int]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # per request, see above
     new_tables: list[bool] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, before writing
@@ -44,9 +46,15 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def add(self, request: Request, num_new_tokens: int, block_ids: list[int], new_table: bool) -> None:
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.spec_token_ids)
+
+    def add(self, request: Request, num_new_tokens: int, block_ids: list[int], new_table: bool,
+            spec_token_ids: list[int] = ()) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
+        self.spec_token_ids.append(list(spec_token_ids))
         self.new_block_ids.append(block_ids)
         self.new_tables.append(new_table)
 
@@ -55,7 +63,8 @@ class SchedulerOutput:
         is harmless)."""
         part = SchedulerOutput(block_copies=self.block_copies, freed=self.freed)
         for i in rows:
-            part.add(self.requests[i], self.num_new_tokens[i], self.new_block_ids[i], self.new_tables[i])
+            part.add(self.requests[i], self.num_new_tokens[i], self.new_block_ids[i], self.new_tables[i],
+                     self.spec_token_ids[i])
         return part
 
 
@@ -87,7 +96,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
+            # Drafts ride behind a decode's one known token, as far as the budget goes. The prefix
+            # cache is offered known tokens only (all_token_ids), never drafts.
+            drafts = request.spec_token_ids[: budget - 1] if request.num_tokens - request.num_computed_tokens == 1 else []
+            copies = self.kv.grow(request.request_id, num_new + len(drafts), request.all_token_ids)
+            if copies is None and drafts:  # the pool is short: speculation gives way before anyone is preempted
+                drafts = []
+                copies = self.kv.grow(request.request_id, num_new, request.all_token_ids)
             while copies is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -100,9 +115,9 @@ class Scheduler:
             new_table = request.request_id in self._new_to_runner
             self._new_to_runner.discard(request.request_id)
             first = 0 if new_table else request.num_computed_tokens // self.kv.block_size
-            out.add(request, num_new, self.kv.block_ids(request.request_id, first), new_table)
+            out.add(request, num_new + len(drafts), self.kv.block_ids(request.request_id, first), new_table, drafts)
             out.block_copies += copies
-            budget -= num_new
+            budget -= num_new + len(drafts)
             i += 1
 
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -132,6 +147,12 @@ class Scheduler:
             request.num_computed_tokens += n
         self.kv.confirm_cached()
 
+    def rewind(self, request: Request, num_computed_tokens: int) -> None:
+        """A speculative step's verifier kept fewer tokens than the step computed: the request's
+        K/V is valid for its first `num_computed_tokens` only, and the slots past them are freed."""
+        request.num_computed_tokens = num_computed_tokens
+        self.kv.shrink(request.request_id, num_computed_tokens)
+
     def undo_step(self, out: SchedulerOutput) -> None:
         """The step failed: forget the prefix blocks it was to fill, and send every request it
         ran back to the front of the queue, in order, to be computed again from scratch (as a
@@ -144,6 +165,7 @@ class Scheduler:
             self._release(request)
             request.status = RequestStatus.WAITING
             request.num_computed_tokens = 0
+            request.spec_token_ids = []
             self.waiting.appendleft(request)
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -175,6 +197,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # recomputation starts from known tokens only
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.messages import CoreReady, CoreStats, EngineCoreOutputs, EngineCoreRequest
+from pagedserve.core.messages import CoreReady, CoreStats, EngineCoreOutputs, EngineCoreRequest, SpecDecodeStats
 from pagedserve.engine.core_client import (DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF, DEFAULT_START_TIMEOUT,
                                            EngineCoreClient, ProcessCoreClient, ThreadedCoreClient)
 from pagedserve.engine.input_processor import process_inputs
@@ -268,15 +268,18 @@ class _CoreCounters:
     prefix_queries: int = 0
     prefix_hits: int = 0
     cow_copies: int = 0
+    spec: SpecDecodeStats | None = None
 
     @staticmethod
     def of(stats: EngineStatsSnapshot) -> _CoreCounters:
         """The counters as last published (those of every core so far)."""
         return _CoreCounters(stats.num_preemptions, stats.kv.prefix_queries, stats.kv.prefix_hits,
-                             stats.kv.cow_copies)
+                             stats.kv.cow_copies, stats.spec)
 
     def add_to(self, stats: EngineStatsSnapshot) -> EngineStatsSnapshot:
         kv = dataclasses.replace(stats.kv, prefix_queries=stats.kv.prefix_queries + self.prefix_queries,
                                  prefix_hits=stats.kv.prefix_hits + self.prefix_hits,
                                  cow_copies=stats.kv.cow_copies + self.cow_copies)
-        return dataclasses.replace(stats, kv=kv, num_preemptions=stats.num_preemptions + self.num_preemptions)
+        spec = stats.spec.plus(self.spec) if stats.spec is not None else self.spec
+        return dataclasses.replace(stats, kv=kv, num_preemptions=stats.num_preemptions + self.num_preemptions,
+                                   spec=spec)

@@ -133,20 +133,24 @@ class OutputProcessor:
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = [None] + [self._logprob_entry(token, lp)
                                               for token, lp in zip(state.prompt_token_ids[1:], out.prompt_logprobs)]
+        # Token by token: a step may bring several (speculative decoding), and a stop string ends
+        # the sample at the token that completes it, the later ones dropped.
+        last = len(out.new_token_ids) - 1
         for k, token in enumerate(out.new_token_ids):
             sample.token_ids.append(token)
             if sample.logprobs is not None and out.logprobs is not None:
                 lp = out.logprobs[k]
                 sample.cumulative_logprob += lp.logprob
                 sample.logprobs.append(self._logprob_entry(token, lp))
-        # A stop token's text (EOS or stop_token_ids) is left out of the output unless asked for.
-        stopped_by_token = out.finish_reason == "stop"
-        if not stopped_by_token or params.include_stop_str_in_output:
-            sample.text += sample.detokenizer.add_tokens(out.new_token_ids)
-            if not stopped_by_token and sample.detokenizer.stop_matched:
-                sample.finish_reason, sample.stop_reason = "stop", sample.detokenizer.stop_matched
-                if out.finish_reason is None:  # still running in the core
-                    result.stopped.append((state.request_id, sample.index))
+            # A stop token's text (EOS or stop_token_ids) is left out of the output unless asked for.
+            stop_token = k == last and out.finish_reason == "stop"
+            if not stop_token or params.include_stop_str_in_output:
+                sample.text += sample.detokenizer.add_tokens([token])
+                if not stop_token and sample.detokenizer.stop_matched:
+                    sample.finish_reason, sample.stop_reason = "stop", sample.detokenizer.stop_matched
+                    if out.finish_reason is None:  # still running in the core
+                        result.stopped.append((state.request_id, sample.index))
+                    break
         if sample.finish_reason is None and out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
         if sample.finish_reason is not None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pagedserve.core.messages import SpecDecodeStats
 from pagedserve.kv import KVCacheStats
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class EngineStatsSnapshot:
     num_prompt_tokens: int  # counted once a prompt has been computed
     num_generation_tokens: int  # counted as they are generated, aborted requests included
     finished: dict[str, int]  # "stop" / "length" / "abort" / "error" -> sequences
+    spec: SpecDecodeStats | None = None  # with speculative decoding
 
 
 class EngineClient(Protocol):

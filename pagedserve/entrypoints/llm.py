@@ -165,7 +165,19 @@ class LLM:
             "cow_copies": kv.cow_copies,
             "preemptions": engine.num_preemptions,
             "fast_paths_skipped": sum(reason is not None for reason in self.fast_paths().values()),
+            **self._spec_metrics(),
         }
+
+    def _spec_metrics(self) -> dict[str, Any]:
+        """Speculative decoding's figures, when it is on: drafts verified, tokens drafted and accepted."""
+        speculation = self.llm_engine.core.speculation
+        if speculation is None:
+            return {}
+        c = speculation.counters
+        return {"spec_num_drafts": c.num_drafts, "spec_num_draft_tokens": c.num_draft_tokens,
+                "spec_num_accepted_tokens": c.num_accepted_tokens,
+                "spec_acceptance_rate": c.num_accepted_tokens / c.num_draft_tokens if c.num_draft_tokens else 0.0,
+                "spec_accepted_per_position": list(c.accepted_per_position)}
 
     def fast_paths(self) -> dict[str, str | None]:
         """The engine's fast paths (decode steps replayed, the C kernels on CPU): None for each it

@@ -49,6 +49,10 @@ class Executor(Protocol):
         """The fast paths of the runner that plans the steps (rank 0's): None for each it takes,
         else why not (`ModelRunner.fast_paths`)."""
 
+    def draft_proposer(self):
+        """The draft model that proposes drafts (speculative_config's method draft_model: it runs
+        beside the model, over the same block tables), or None."""
+
     def check_health(self) -> None:
         """Raise ExecutorFailed if a step can no longer run."""
 

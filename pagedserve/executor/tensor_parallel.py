@@ -159,6 +159,9 @@ class TensorParallelExecutor:
     def fast_paths(self) -> dict[str, str | None]:
         return self.runner.fast_paths  # every rank runs the same code on its shard
 
+    def draft_proposer(self):
+        return None
+
     def check_health(self) -> None:
         """ExecutorFailed if the group is broken, or a spawned worker is gone."""
         if self._failed is None:

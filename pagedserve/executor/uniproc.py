@@ -36,6 +36,9 @@ class UniProcExecutor:
     def fast_paths(self) -> dict[str, str | None]:
         return self.runner.fast_paths
 
+    def draft_proposer(self):
+        return None
+
     def check_health(self) -> None:
         pass
 

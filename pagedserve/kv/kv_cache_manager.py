@@ -231,6 +231,23 @@ class KVCacheManager:
             self._cache_full_blocks(table, token_ids)
         return copies
 
+    def shrink(self, req_id: RequestId, num_tokens: int) -> None:
+        """Give back the request's slots past its first `num_tokens` (a speculative step's rejected
+        drafts): the blocks no longer needed return to the pool. Those slots were never offered to
+        the prefix cache (a block is offered once full of known tokens, and drafts are not known
+        tokens), so nothing unverified stays findable."""
+        table = self._tables[req_id]
+        if not 0 < num_tokens <= table.num_tokens:
+            raise ValueError(f"cannot shrink request {req_id!r} from {table.num_tokens} to {num_tokens} tokens")
+        assert table.num_offered <= num_tokens // self.block_size, "a cached block would lose its tokens"
+        keep = cdiv(num_tokens, self.block_size)
+        extra = table.blocks[keep:]
+        del table.blocks[keep:]
+        del table.block_ids[keep:]
+        table.num_tokens = num_tokens
+        self.pool.release(reversed(extra))
+        self._count_tokens(table, num_tokens // self.block_size)
+
     def fork(self, parent_id: RequestId, child_id: RequestId, block_hashes: list[bytes] | None = None) -> None:
         """Give `child_id` a table sharing every block of `parent_id` (parallel sampling).
 

@@ -260,6 +260,44 @@ class StructuredOutputManager:
         self.fill_steps += 1
         return result
 
+    def draft_bitmask(self, matchers: list[xgr.GrammarMatcher | None], drafts: list[list[int]],
+                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A speculative step's (rows, bitmasks): request i has len(drafts[i]) + 1 rows, one after
+        another; row j allows what its grammar allows after drafts[i][:j]. Each matcher advances
+        through the drafts to fill its rows and is rolled back: it ends where it started. Rows after
+        a draft the grammar refuses repeat the last mask (the verifier never reaches them)."""
+        if all(m is None for m in matchers):
+            return None
+        start = time.perf_counter()
+        xgr = load_xgrammar()
+        total = sum(len(d) + 1 for d in drafts)
+        bitmask = xgr.allocate_token_bitmask(total, self.vocab_size)
+        rows: list[int] = []
+        row = 0
+        for matcher, request_drafts in zip(matchers, drafts):
+            if matcher is None:
+                row += len(request_drafts) + 1
+                continue
+            accepted = 0
+            try:
+                for j in range(len(request_drafts) + 1):
+                    if accepted == j and (j == 0 or not matcher.is_terminated()):
+                        matcher.fill_next_token_bitmask(bitmask, row + j)
+                        if j < len(request_drafts) and matcher.accept_token(request_drafts[j]):
+                            accepted += 1
+                    else:
+                        bitmask[row + j] = bitmask[row + j - 1]
+                    rows.append(row + j)
+            finally:
+                if accepted:
+                    matcher.rollback(accepted)
+            row += len(request_drafts) + 1
+        result = (torch.tensor(rows, dtype=torch.long, device=device),
+                  bitmask[torch.tensor(rows)].to(device, copy=True))
+        self.fill_seconds += time.perf_counter() - start
+        self.fill_steps += 1
+        return result
+
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` with every token a row's bitmask disallows at -inf, out of place: the caller's

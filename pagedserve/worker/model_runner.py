@@ -202,16 +202,41 @@ class ModelRunner:
         """The step's inputs as flat arrays (host work only; see `execute` for the arguments)."""
         computed = [r.num_computed_tokens for r in plan.requests]
         input_ids: list[int] = []
-        for request, start, n in zip(plan.requests, computed, plan.num_new_tokens):
-            input_ids += request.all_token_ids[start : start + n]
+        for request, start, n, drafts in zip(plan.requests, computed, plan.num_new_tokens, plan.spec_token_ids):
+            input_ids += request.all_token_ids[start : start + n - len(drafts)]
+            input_ids += drafts  # speculative decoding: the drafts after the known tokens
         seq_lens = [c + n for c, n in zip(computed, plan.num_new_tokens)]
         tables = self.block_table_rows.update([r.request_id for r in plan.requests], plan.new_block_ids,
                                               plan.new_tables, computed, seq_lens, plan.freed)
         starts = list(itertools.accumulate(plan.num_new_tokens, initial=0))  # each request's first token
-        rows = [starts[i + 1] - 1 for i in sample_rows]
+        num_drafts = [len(d) for d in plan.spec_token_ids] if plan.has_drafts else [0] * len(plan.requests)
+        # A sampling request's last token gives logits, and so does each of its drafts.
+        rows = [starts[i + 1] - 1 - num_drafts[i] + j for i in sample_rows for j in range(num_drafts[i] + 1)]
         rows += [starts[row] + first + k for row, first, count in prompt_spans for k in range(count)]
-        return StepInputs(input_ids, computed, list(plan.num_new_tokens), tables,
-                          list(plan.block_copies), rows)
+        num_new = list(plan.num_new_tokens)
+        if plan.has_drafts:
+            computed, num_new, tables = self._draft_rows(computed, num_new, num_drafts, tables)
+        return StepInputs(input_ids, computed, num_new, tables, list(plan.block_copies), rows)
+
+    @staticmethod
+    def _draft_rows(computed: list[int], num_new: list[int], num_drafts: list[int],
+                    tables: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+        """A speculative request's 1 + k tokens as 1 + k decode rows over its one block table, row j
+        at position computed + j: each attends to the rows before it (every row's K/V is written
+        before any row's attention reads), so the step is a decode step, computed as decode steps
+        are (the decode replays included), whose logits are those of k + 1 steps one after another."""
+        rows_computed, rows_new, index = [], [], []
+        for i, (c, n, k) in enumerate(zip(computed, num_new, num_drafts)):
+            if k == 0:
+                rows_computed.append(c)
+                rows_new.append(n)
+                index.append(i)
+            else:
+                assert n == k + 1, "drafts follow a decode's one known token"
+                rows_computed += range(c, c + n)
+                rows_new += [1] * n
+                index += [i] * n
+        return rows_computed, rows_new, tables[torch.tensor(index)]
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:

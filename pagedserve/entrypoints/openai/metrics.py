@@ -70,6 +70,25 @@ class EngineCollector(Collector):
             for reason in FINISH_REASONS:
                 finished.add_metric([*labels, reason], s.finished.get(reason, 0))
         yield finished
+        spec_series = [(labels, s.spec) for labels, s in series if s.spec is not None]
+        if not spec_series:
+            return
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Request-steps that verified drafts.", lambda c: c.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                 lambda c: c.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda c: c.num_accepted_tokens)):
+            metric = CounterMetricFamily(name, doc, labels=label_names)
+            for labels, spec in spec_series:
+                metric.add_metric(labels, value(spec))
+            yield metric
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted, by their position among the drafts.",
+                                           labels=[*label_names, "position"])
+        for labels, spec in spec_series:
+            for position, count in enumerate(spec.accepted_per_position):
+                per_position.add_metric([*labels, str(position)], count)
+        yield per_position
 
 
 class ServerMetrics:
