@@ -77,8 +77,9 @@ def rejection_sample(
         target_at = target_probs[as_index(draft_target_row), flat_ids]
         draft_at = (torch.ones_like(target_at) if draft_probs is None
                     else draft_probs[torch.arange(total_drafts, device=device), flat_ids].to(target_at.dtype))
-        # u < p/q written as u*q < p: no division, and a draft the target forbids (p = 0) never
-        # passes. p >= q accepts for certain, whatever rounding does to u*q.
+        # u < p/q written as u*q < p, with no division; p >= q accepts for certain, whatever
+        # rounding does to u*q; p > 0 keeps out a draft the target forbids even where q = 0 too
+        # (impossible for a draft drawn from q, but then p >= q would hold).
         accepted = (target_at > 0) & ((target_at >= draft_at) | (torch.cat(uniforms) * draft_at < target_at))
         # One row per request, padded with rejections; the accepted prefix ends at the first one.
         grid = torch.zeros(num_requests, max(num_drafts), dtype=torch.long, device=device)

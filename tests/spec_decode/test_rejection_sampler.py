@@ -1,4 +1,5 @@
 import bisect
+import itertools
 import math
 import random
 
@@ -155,14 +156,14 @@ def test_emitted_tokens_follow_the_target_distribution(with_draft_probs):
     assert p_third > ALPHA
 
 
-# Deliberately broken verifiers on the same inputs, to show the test above can fail.
+# The same verifier in plain Python, with switches that break it, to show the fit test above can fail.
 
 def _categorical(dist, rng):
-    cumulative = [sum(dist[: t + 1]) for t in range(len(dist))]
+    cumulative = list(itertools.accumulate(dist))
     return min(bisect.bisect_right(cumulative, rng.random() * cumulative[-1]), len(dist) - 1)
 
 
-def _broken_sampler(resample_from_target: bool, always_accept: bool):
+def python_verifier(always_accept=False, resample_from_target=False, bonus_from_last_draft_row=False):
     def sample(target_probs, draft_token_ids, draft_probs, generators):
         rng = random.Random(0)
         p_rows = target_probs.tolist()
@@ -180,7 +181,8 @@ def _broken_sampler(resample_from_target: bool, always_accept: bool):
                                         [max(0.0, a - b) for a, b in zip(p, q)], rng))
                 break
             else:
-                out.append(_categorical(p_rows[row + len(drafts)], rng))
+                bonus_row = row + len(drafts) - (1 if bonus_from_last_draft_row and drafts else 0)
+                out.append(_categorical(p_rows[bonus_row], rng))
             outputs.append(out)
             row += len(drafts) + 1
             draft_row += len(drafts)
@@ -190,12 +192,14 @@ def _broken_sampler(resample_from_target: bool, always_accept: bool):
 
 @pytest.mark.parametrize("with_draft_probs", [True, False], ids=["draft_probs", "one_hot"])
 def test_the_fit_test_has_power(with_draft_probs):
-    # The same verifier done right in plain Python passes...
-    assert min(fit_p_values(_broken_sampler(False, False), with_draft_probs)) > ALPHA
-    # ...accepting every draft emits the draft distribution...
-    assert fit_p_values(_broken_sampler(False, True), with_draft_probs)[0] < 1e-9
-    # ...and resampling from p instead of the residual after a rejection overweights the drafts.
-    assert fit_p_values(_broken_sampler(True, False), with_draft_probs)[0] < 1e-9
+    # Accepting every draft emits the draft distribution.
+    assert fit_p_values(python_verifier(always_accept=True), with_draft_probs)[0] < 1e-9
+    # Resampling from p instead of the residual after a rejection overweights the drafts.
+    assert fit_p_values(python_verifier(resample_from_target=True), with_draft_probs)[0] < 1e-9
+    # A bonus token drawn from the wrong row shows in the third token alone (the Python verifier is
+    # otherwise right, and passes the first two fits).
+    p_first, p_second, p_third = fit_p_values(python_verifier(bonus_from_last_draft_row=True), with_draft_probs)
+    assert p_first > ALPHA and p_second > ALPHA and p_third < 1e-9
 
 
 def test_no_drafts_draws_from_the_first_row():
@@ -301,14 +305,14 @@ def test_rows_that_do_not_sum_to_one_never_yield_a_forbidden_token(with_draft_pr
     # p <= q everywhere (p sums to 0.5): a rejection leaves an all-zero residual, and the token is
     # drawn from p instead.
     n = 500
-    p = torch.tensor([0.1, 0.4, 0.0, 0.0, 0.0]) if with_draft_probs else torch.tensor([0.5, 0.0, 0.0, 0.0, 0.0])
-    q = torch.tensor([0.5, 0.5, 0.0, 0.0, 0.0])
+    p = torch.tensor([0.0, 0.0, 0.1, 0.4, 0.0]) if with_draft_probs else torch.tensor([0.0, 0.0, 0.5, 0.0, 0.0])
+    q = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.0])
     target = torch.stack([p, torch.full((V,), 1 / V)]).repeat(n, 1)
-    outputs = rejection_sample(target, [[0]] * n, q.expand(n, V).contiguous() if with_draft_probs else None,
+    outputs = rejection_sample(target, [[2]] * n, q.expand(n, V).contiguous() if with_draft_probs else None,
                                [torch.Generator().manual_seed(i) for i in range(n)])
     rejections = [out for out in outputs if len(out) == 1]
     assert 0 < len(rejections) < n
-    assert {token for (token,) in rejections} == ({0, 1} if with_draft_probs else {0})
+    assert {token for (token,) in rejections} == ({2, 3} if with_draft_probs else {2})
 
 
 def test_inputs_are_left_unchanged():
