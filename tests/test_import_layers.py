@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedserve.structured_output",),
     ("pagedserve.sampling_params",),
     ("pagedserve.kv",),  # the block pool and its manager
+    ("pagedserve.spec_decode",),  # speculative decoding: draft proposers, the rejection sampler
     ("pagedserve.attention",),
     ("pagedserve.distributed",),  # the tensor-parallel process group
     ("pagedserve.models",),
