@@ -138,8 +138,11 @@ class EngineCore:
             if config.measures_kv_budget else None
         # Under tensor parallelism a block holds each rank's share of the KV heads.
         kv_heads = kv_heads_per_rank(model_config.num_kv_heads, config.tensor_parallel_size)
-        self.num_blocks, self.max_model_len = config.resolve_kv_pool(
-            model_config.kv_bytes_per_token(config.kv_torch_dtype, kv_heads), model_max_len, measured)
+        kv_bytes_per_token = model_config.kv_bytes_per_token(config.kv_torch_dtype, kv_heads)
+        draft = self.executor.draft_proposer()
+        if draft is not None:  # a draft model's K/V shares the pool's blocks: each block holds both
+            kv_bytes_per_token += draft.kv_bytes_per_token(config.kv_torch_dtype)
+        self.num_blocks, self.max_model_len = config.resolve_kv_pool(kv_bytes_per_token, model_max_len, measured)
         self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -157,7 +160,7 @@ class EngineCore:
         self._device_failure: str | None = None  # set once the device failed: no step runs after it
         self.speculation = None
         if config.speculative_config is not None:
-            self.speculation = Speculation(config.speculative_config, self.executor.draft_proposer())
+            self.speculation = Speculation(config.speculative_config, draft)
 
     @property
     def vocab_size(self) -> int:

@@ -108,7 +108,8 @@ class Speculation:
         else:
             drafted = [self._propose_one(r, k) for r, k in wanted]
         for (request, _), drafts in zip(wanted, drafted):
-            request.spec_token_ids = self._grammar_allows(request, drafts)
+            # Placeholders (negative ids) are drafted in the step, under the grammar already.
+            request.spec_token_ids = drafts if drafts and drafts[0] < 0 else self._grammar_allows(request, drafts)
 
     def _propose_one(self, request: Request, k: int) -> list[int]:
         if self._ngram is not None:

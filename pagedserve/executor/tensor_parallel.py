@@ -32,6 +32,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.executor.base import ExecutorFailed
 from pagedserve.worker import tp_protocol as protocol
+from pagedserve.worker.draft_runner import make_draft_runner
 from pagedserve.worker.model_runner import StepInputs
 from pagedserve.worker.tp_worker import join_group, leave_group, load_shard, run_spawned
 
@@ -85,6 +86,7 @@ class TensorParallelExecutor:
             self.shutdown(notify=False)
             raise
         self.model_config = self.runner.model_config
+        self.draft = make_draft_runner(config, self.model_config)  # whole, here: the ranks only verify
 
     def _spawn(self, config: EngineConfig, init_method: str) -> None:
         """Start the workers and wait until each is about to join the group: one that dies while
@@ -135,9 +137,13 @@ class TensorParallelExecutor:
         with self._collectives():
             self._broadcast(protocol.header(protocol.INIT_KV, num_blocks))
             self.runner.allocate_kv_cache(num_blocks)
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks, max_model_len)
 
     def execute(self, step: SchedulerOutput, sample_rows: list[int],
                 prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        if self.draft is not None:
+            self.draft.fill(step)
         return self._run(self.runner.prepare(step, sample_rows, prompt_spans))
 
     def warm_up(self, num_tokens: int, max_model_len: int) -> None:
@@ -160,7 +166,7 @@ class TensorParallelExecutor:
         return self.runner.fast_paths  # every rank runs the same code on its shard
 
     def draft_proposer(self):
-        return None
+        return self.draft
 
     def check_health(self) -> None:
         """ExecutorFailed if the group is broken, or a spawned worker is gone."""

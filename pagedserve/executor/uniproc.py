@@ -6,6 +6,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.worker.draft_runner import make_draft_runner
 from pagedserve.worker.model_runner import ModelRunner
 
 
@@ -18,6 +19,7 @@ class UniProcExecutor:
         module, self.model_config = model or load_model(config.model, config.torch_dtype, config.device,
                                                         quantization=config.quantization)
         self.runner = ModelRunner(module, self.model_config, config)
+        self.draft = make_draft_runner(config, self.model_config)
 
     def measure_kv_budget(self, max_model_len: int) -> int:
         return self.runner.measure_kv_budget(max_model_len)
@@ -25,9 +27,13 @@ class UniProcExecutor:
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_decode_graphs(max_model_len)
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks, max_model_len)
 
     def execute(self, step: SchedulerOutput, sample_rows: list[int],
                 prompt_spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        if self.draft is not None:
+            self.draft.fill(step)
         return self.runner.execute(step, sample_rows, prompt_spans)
 
     def warm_up(self, num_tokens: int, max_model_len: int) -> None:
@@ -37,7 +43,7 @@ class UniProcExecutor:
         return self.runner.fast_paths
 
     def draft_proposer(self):
-        return None
+        return self.draft
 
     def check_health(self) -> None:
         pass
