@@ -113,7 +113,7 @@ class Speculation:
 
     def _propose_one(self, request: Request, k: int) -> list[int]:
         if self._ngram is not None:
-            return self._ngram.propose(request.all_token_ids, k)
+            return self._ngram.propose(request.all_token_ids, k, request_id=request.request_id)
         return self._suffix.propose(request.request_id, request.all_token_ids, k)
 
     @staticmethod
@@ -148,6 +148,8 @@ class Speculation:
     def finish(self, request: Request) -> None:
         """The request ended: forget it (the suffix proposer keeps its output to draft from)."""
         self._states.pop(request.request_id, None)
+        if self._ngram is not None:
+            self._ngram.abort(request.request_id)
         if self._suffix is not None:
             if request.status.value in ("stop", "length"):
                 self._suffix.finish(request.request_id, request.output_token_ids)

@@ -99,7 +99,7 @@ def references_of(outputs) -> dict[tuple[int, ...], list[int]]:
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(noise=st.sampled_from([0.0, 0.3, 1.0]), block_size=st.sampled_from([4, 16]),
        small_pool=st.booleans(), chunk=st.sampled_from([None, 24]), prefix_caching=st.booleans(),
        n=st.sampled_from([1, 2]), stop=st.sampled_from([None, ["."]]), logprobs=st.sampled_from([None, 2]))
@@ -191,3 +191,16 @@ def test_metrics_count_drafts_and_acceptance_per_position(embedded_model, embedd
     assert metrics["spec_num_draft_tokens"] >= metrics["spec_num_accepted_tokens"]
     assert all(a >= b for a, b in zip(per_position, per_position[1:]))  # position j needs j - 1 accepted
     assert per_position[0] <= metrics["spec_num_drafts"]
+
+
+@pytest.mark.parametrize("method", [{"method": "ngram", "num_speculative_tokens": 4},
+                                    {"method": "suffix", "num_speculative_tokens": 6}])
+def test_each_proposer_gives_the_same_greedy_output(embedded_model, embedded_tokenizer, baseline, method):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    llm = make_llm(embedded_model, embedded_tokenizer, speculative_config=method, block_size=8,
+                   max_num_batched_tokens=32)
+    for _ in range(2):  # suffix: the second round drafts from the first round's outputs too
+        assert token_ids(run(llm, PROMPTS, params)) == token_ids(baseline(params))
+    counters = llm.llm_engine.core.speculation.counters
+    assert counters.num_accepted_tokens > 0
+    assert_all_free(llm)
