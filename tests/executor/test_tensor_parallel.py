@@ -62,6 +62,20 @@ def test_replicated_kv_head_and_padded_vocabulary(odd_checkpoint, embedded_token
     assert tp2 == reference
 
 
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                                  {"method": "draft_model", "num_speculative_tokens": 3}])
+def test_tp2_with_speculation_matches_transformers(odd_checkpoint, embedded_tokenizer, spec):
+    """The ranks verify drafts as any step; a draft model runs whole beside rank 0."""
+    path, hf_model = odd_checkpoint
+    prompts = tiny_prompts(hf_model.config.vocab_size)
+    reference = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    if spec["method"] == "draft_model":
+        spec = spec | {"model": str(path)}
+    tp2, metrics = run(path, embedded_tokenizer, prompts, 2, **TIGHT, speculative_config=spec)
+    assert tp2 == reference
+    assert metrics["spec_num_draft_tokens"] > 0
+
+
 def prompt_logprobs(model, tokenizer, prompt: list[int], tp: int) -> torch.Tensor:
     """The engine's log-probability of each prompt token after the first."""
     config = EngineConfig(model=str(model), tensor_parallel_size=tp, num_kv_blocks=64)
