@@ -126,7 +126,7 @@ class ModelRunner:
             skipped = fast_paths.replay_skipped(self.model_config, self.config, kernels)
             if skipped is None and self.device.type == "cpu":
                 graph = CpuDecodeGraph.attempt(
-                    self.model, self.kv_caches, min(self.config.max_num_seqs, cpu_linear.MAX_ROWS),
+                    self.model, self.kv_caches, min(self.max_decode_rows, cpu_linear.MAX_ROWS),
                     cdiv(max_model_len, self.block_size), self.block_size, self.attention_backend)
                 self.decode_graphs, skipped = (graph, None) if isinstance(graph, CpuDecodeGraph) else (None, graph)
             self._note_fast_paths({fast_paths.DECODE_REPLAY: skipped, **kernels})
@@ -134,8 +134,17 @@ class ModelRunner:
                 return
             capture = True  # CUDA, the Triton backend, not enforce_eager
         self.decode_graphs = DecodeGraphs(
-            self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs), cdiv(max_model_len, self.block_size),
+            self.model, self.kv_caches, capture_sizes(self.max_decode_rows), cdiv(max_model_len, self.block_size),
             self.block_size, self.attention_backend, self.device, capture=capture)
+
+    @property
+    def max_decode_rows(self) -> int:
+        """The most rows a decode step has: one per request, and with speculative decoding one per
+        draft too (while requests draft: up to SpeculativeConfig.max_batch of them)."""
+        spec, seqs = self.config.speculative_config, self.config.max_num_seqs
+        if spec is None:
+            return seqs
+        return max(seqs, min(seqs, spec.max_batch) * (1 + spec.num_speculative_tokens))
 
     @property
     def fast_paths(self) -> dict[str, str | None]:

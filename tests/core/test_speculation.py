@@ -204,3 +204,12 @@ def test_each_proposer_gives_the_same_greedy_output(embedded_model, embedded_tok
     counters = llm.llm_engine.core.speculation.counters
     assert counters.num_accepted_tokens > 0
     assert_all_free(llm)
+
+
+def test_one_request_and_its_drafts_fit_the_decode_replay(embedded_model, embedded_tokenizer):
+    """A speculative step is a decode step of 1 + k rows: the CPU replay is recorded that large even when
+    only one request runs at a time."""
+    llm = make_llm(embedded_model, embedded_tokenizer, max_num_seqs=1, speculative_config=SPEC)
+    runner = llm.llm_engine.core.executor.runner
+    assert llm.fast_paths()["decode_replay"] is None
+    assert runner.decode_graphs.size == runner.max_decode_rows == 1 + SPEC["num_speculative_tokens"]
