@@ -18,7 +18,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 TEXT = ("The block table maps each request's logical blocks to physical blocks anywhere in the pool, so a "
         "request's memory need not be contiguous and waste is only the unfilled tail of its last block.")
 PROMPTS = [
@@ -99,7 +99,7 @@ def references_of(outputs) -> dict[tuple[int, ...], list[int]]:
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(noise=st.sampled_from([0.0, 0.3, 1.0]), block_size=st.sampled_from([4, 16]),
        small_pool=st.booleans(), chunk=st.sampled_from([None, 24]), prefix_caching=st.booleans(),
        n=st.sampled_from([1, 2]), stop=st.sampled_from([None, ["."]]), logprobs=st.sampled_from([None, 2]))
@@ -149,20 +149,20 @@ def test_junk_drafts_cost_nothing_but_time_and_leak_nothing(embedded_model, embe
 
 
 def test_structured_output_with_drafts_the_grammar_cuts(embedded_model, embedded_tokenizer, baseline):
-    params = SamplingParams(max_tokens=60, temperature=0,
+    params = SamplingParams(max_tokens=48, temperature=0,
                             structured_outputs=StructuredOutputsParams(json=json.dumps(SCHEMA)))
     prompts = ["Give me a person as JSON: ", "A JSON object for Ada Lovelace, 36 years old: "]
     expected = baseline(params, prompts)
     references = references_of(expected)
-    for noise in (0.0, 0.5):
-        llm = with_scripted_drafts(make_llm(embedded_model, embedded_tokenizer, speculative_config=SPEC),
-                                   references, noise)
-        outputs = run(llm, prompts, params)
-        assert token_ids(outputs) == token_ids(expected)
-        for o in outputs:
-            json.loads(o.outputs[0].text)
-        assert llm.llm_engine.core.speculation.counters.num_draft_tokens > 0
-        assert_all_free(llm)
+    llm = with_scripted_drafts(make_llm(embedded_model, embedded_tokenizer, speculative_config=SPEC),
+                               references, noise=0.4)  # drafts the grammar refuses too: it cuts them
+    outputs = run(llm, prompts, params)
+    assert token_ids(outputs) == token_ids(expected)
+    for o in outputs:
+        json.loads(o.outputs[0].text)
+    counters = llm.llm_engine.core.speculation.counters
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    assert_all_free(llm)
 
 
 def test_seeded_sampled_requests_are_reproducible(embedded_model, embedded_tokenizer, baseline):
@@ -172,7 +172,7 @@ def test_seeded_sampled_requests_are_reproducible(embedded_model, embedded_token
     for _ in range(2):
         llm = with_scripted_drafts(make_llm(embedded_model, embedded_tokenizer, speculative_config=SPEC),
                                    references, noise=0.2)
-        results.append(token_ids(run(llm, PROMPTS, params)))
+        results.append(token_ids(run(llm, PROMPTS[:2], params)))
         assert llm.llm_engine.core.speculation.counters.num_accepted_tokens > 0
         assert_all_free(llm)
     assert results[0] == results[1]

@@ -42,7 +42,6 @@ def expected():
 
 
 @pytest.mark.parametrize(("draft", "settings"), [
-    ("itself", dict()),
     ("itself", dict(max_num_batched_tokens=8, block_size=4)),  # chunked prefill, drafts across block boundaries
     ("random", dict(num_kv_blocks=12, block_size=8, max_model_len=48)),  # preemptions
 ])
