@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from pagedserve.bench.workload import Workload, copy_edit, sharegpt_like
 
@@ -128,26 +128,42 @@ def compare(part: str, workload: Workload, configs: dict[str, dict | None], mode
         kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens", 2048), longest)
     run = _one_at_a_time if single else _all_at_once
     rows, engines = [], {}
-    warm_up = Workload("warm-up", [replace(r, output_len=min(r.output_len, 16)) for r in workload.requests[:2]])
+    # Warm-up prompts outside the workload: a proposer that learns from finished outputs (suffix)
+    # must not have seen the timed ones.
+    warm_up = sharegpt_like(2, seed=-1, prompt_len=(16, 64), output_len=(16, 16),
+                            vocab=range(3, min(49000, model[1].vocab_size)))
+
+    def start(spec):
+        llm = _engine(model, tokenizer, spec, **kwargs)
+        stack.callback(llm.shutdown)
+        run(llm, warm_up)
+        return llm
+
     with contextlib.ExitStack() as stack:
         for method, spec in configs.items():
             row = SpecRow(part, method, unit, config=spec)
             rows.append(row)
             try:
-                llm = _engine(model, tokenizer, spec, **kwargs)
-                stack.callback(llm.shutdown)
-                run(llm, warm_up)
+                engines[method] = start(spec)
             except Exception as exc:  # a method the engine lacks: say so, keep the other rows
                 row.skipped = f"not available: {type(exc).__name__}: {exc}"[:200]
                 log(f"  {part}, {method}: {row.skipped}")
-                continue
-            engines[method] = llm
-        counters = {m: _spec_counters(e) for m, e in engines.items()}  # the timed runs' counts only
+        if len(engines) < 2 or rows[0].method not in engines:  # nothing to compare: time nothing
+            for row in rows:
+                row.skipped = row.skipped or "not timed: no configuration to compare it with"
+            return rows
         decode = {m: [0, 0] for m in engines}  # decode tokens and steps over the repetitions
+        drafts = {m: [0, 0] for m in engines}  # draft tokens proposed and accepted over the repetitions
         for rep in range(reps):
             results = {}
             for method, llm in engines.items():
+                if rep and learns_across_requests(configs[method]):  # a fresh one: each repetition's prompts are new to it
+                    llm.shutdown()
+                    llm = engines[method] = start(configs[method])
+                before = _spec_counters(llm)
                 results[method] = run(llm, workload)
+                for i, (a, b) in enumerate(zip(before, _spec_counters(llm))):
+                    drafts[method][i] += b - a
                 log(f"  {part}, rep {rep + 1}/{reps}, {method}: "
                     f"{results[method].tokens / results[method].seconds:.1f} {unit}")
             base = results.get(rows[0].method)
@@ -167,9 +183,14 @@ def compare(part: str, workload: Workload, configs: dict[str, dict | None], mode
             if single and decode.get(row.method, [0, 0])[1]:
                 row.tokens_per_step = decode[row.method][0] / decode[row.method][1]
             if row.method in engines and row.config is not None:
-                drafted, accepted = (b - a for a, b in zip(counters[row.method], _spec_counters(engines[row.method])))
+                drafted, accepted = drafts[row.method]
                 row.acceptance = accepted / drafted if drafted else 0.0
     return rows
+
+
+def learns_across_requests(spec: dict | None) -> bool:
+    """Whether the method drafts from other requests' outputs (and so from an earlier repetition's)."""
+    return spec is not None and spec["method"] == "suffix"
 
 
 def _spec_counters(llm) -> tuple[int, int]:

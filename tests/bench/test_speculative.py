@@ -63,6 +63,7 @@ def test_a_method_the_engine_refuses_is_reported_not_faked(tiny):
     rows = compare("batch 1", repetitive(1, 4), {"off": None, "draft": missing}, model, tokenizer, reps=1, batch=1,
                    engine_kwargs=ENGINE, log=lambda *_: None)
     assert rows[1].skipped.startswith("not available") and not rows[1].speeds
+    assert rows[0].skipped and not rows[0].speeds  # a baseline alone is not timed
     table = markdown_table({"rows": [dict(vars(r), speed=r.speed if r.speeds else None, ratio=r.ratio)
                                      for r in rows], "all_identical": True})
     assert "| batch 1 | draft | - |" in table
