@@ -41,8 +41,10 @@ def free_port() -> int:
 
 
 def server_command(system: str, port: int, model_name: str, dtype: str, vllm_python: str | None = None,
-                   hf_model_dir: str | None = None, api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment that serve `model_name` on 127.0.0.1:`port`."""
+                   hf_model_dir: str | None = None, api_key: str | None = None,
+                   extra_args: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment that serve `model_name` on 127.0.0.1:`port`, with
+    `extra_args` (the server's own flags) appended."""
     if system == "pagedserve":
         cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
                "--served-model-name", model_name, "--dtype", dtype]
@@ -60,7 +62,7 @@ def server_command(system: str, port: int, model_name: str, dtype: str, vllm_pyt
         raise ValueError(f"unknown server system {system!r}; choose from {', '.join(SERVER_SYSTEMS)}")
     if api_key:
         cmd += ["--api-key", api_key]
-    return cmd, env
+    return cmd + list(extra_args or []), env
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: str) -> None:
@@ -97,9 +99,9 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 @contextlib.contextmanager
 def launch(system: str, model_name: str, dtype: str = "float32", vllm_python: str | None = None,
            hf_model_dir: str | None = None, api_key: str | None = None,
-           ready_timeout_s: float = 600.0) -> Iterator[LaunchedServer]:
+           ready_timeout_s: float = 600.0, extra_args: list[str] | None = None) -> Iterator[LaunchedServer]:
     port = free_port()
-    cmd, env = server_command(system, port, model_name, dtype, vllm_python, hf_model_dir, api_key)
+    cmd, env = server_command(system, port, model_name, dtype, vllm_python, hf_model_dir, api_key, extra_args)
     log_path = os.path.join(tempfile.mkdtemp(prefix="pagedserve-bench-"), f"{system}-server.log")
     with open(log_path, "w") as log:
         start = time.perf_counter()

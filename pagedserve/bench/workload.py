@@ -27,6 +27,9 @@ class WorkloadRequest:
     prompt_token_ids: list[int]
     output_len: int  # forced: every system generates exactly this many tokens (ignore_eos)
     n: int = 1
+    # False: output_len is only a limit and the output ends where the model ends it (the copy
+    # workload, whose outputs are what the model makes of its input).
+    ignore_eos: bool = True
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,93 @@ def single_request(prompt_len: int = 128, output_len: int = 128, seed: int = 0,
     """One request, a prompt of random ids and an output of a set length: a latency measurement."""
     rng = random.Random(seed)
     return Workload("single-request", [WorkloadRequest(_random_tokens(rng, prompt_len, vocab), output_len)])
+
+
+# ---- outputs that copy their inputs ----------------------------------------------------------
+
+COPY_TEXTS = [
+    "A paged cache keeps the keys and values of every request in blocks of a fixed size. Each request "
+    "owns a table that maps its logical blocks to physical ones, so its memory grows one block at a time "
+    "and no request reserves room it may never use. When two requests begin with the same prompt, they "
+    "share the blocks that hold it, and a block is copied only when one of them writes into it.",
+    "The river rose slowly through the night. By morning the lower fields were under water, and the "
+    "farmers moved their animals to the hill behind the church. Nobody was hurt, but the bridge on the "
+    "old road was closed for a week, and the children walked the long way round to school.",
+    "To make bread, mix the flour, the salt and the yeast in a large bowl. Add warm water a little at a "
+    "time and knead the dough for ten minutes, until it is smooth. Leave it to rise in a warm place for "
+    "an hour, shape it, let it rise again, and bake it in a hot oven for about forty minutes.",
+    "The meeting is moved from Tuesday to Thursday at ten o'clock. Please bring the figures for the "
+    "third quarter and a short note on the new supplier. If you cannot come, send your questions to "
+    "Maria before Wednesday evening so that she can answer them at the meeting.",
+    "def moving_average(values, window):\n"
+    "    \"\"\"The mean of each run of `window` consecutive values.\"\"\"\n"
+    "    if window < 1:\n"
+    "        raise ValueError(\"window must be at least 1\")\n"
+    "    total = sum(values[:window])\n"
+    "    result = [total / window]\n"
+    "    for i in range(window, len(values)):\n"
+    "        total += values[i] - values[i - window]\n"
+    "        result.append(total / window)\n"
+    "    return result\n",
+    "def count_words(text):\n"
+    "    counts = {}\n"
+    "    for word in text.lower().split():\n"
+    "        word = word.strip(\".,;:!?\")\n"
+    "        if word:\n"
+    "            counts[word] = counts.get(word, 0) + 1\n"
+    "    return sorted(counts.items(), key=lambda item: -item[1])\n",
+    "class Stack:\n"
+    "    def __init__(self):\n"
+    "        self.items = []\n\n"
+    "    def push(self, item):\n"
+    "        self.items.append(item)\n\n"
+    "    def pop(self):\n"
+    "        if not self.items:\n"
+    "            raise IndexError(\"pop from an empty stack\")\n"
+    "        return self.items.pop()\n\n"
+    "    def __len__(self):\n"
+    "        return len(self.items)\n",
+]
+
+
+def _with_typos(rng: random.Random, text: str, every: int = 8) -> str:
+    """About one word in `every` with two neighbouring letters swapped."""
+    words = text.split(" ")
+    for i, word in enumerate(words):
+        if len(word) > 3 and word.isalpha() and rng.random() < 1 / every:
+            j = rng.randrange(len(word) - 1)
+            words[i] = word[:j] + word[j + 1] + word[j] + word[j + 2:]
+    return " ".join(words)
+
+
+def _copy_task(rng: random.Random, text: str) -> str:
+    """A request whose answer is `text` again, as given or lightly edited."""
+    code = text.startswith(("def ", "class "))
+    kind = rng.choice(["repeat", "rename"] if code else ["repeat", "typos"])
+    if kind == "repeat":
+        return f"Repeat the following {'code' if code else 'text'} exactly, word for word:\n\n{text}"
+    if kind == "typos":
+        return ("Correct the spelling mistakes in the following text and write out the whole corrected "
+                f"text:\n\n{_with_typos(rng, text)}")
+    old = text.split()[1].split("(")[0].rstrip(":")
+    new = {"moving_average": "rolling_mean", "count_words": "word_counts", "Stack": "LifoStack"}.get(old, old + "2")
+    return f"Rewrite the following code with `{old}` renamed to `{new}`. Write out the whole code:\n\n{text}"
+
+
+def copy_edit(tokenizer, num_requests: int = 8, seed: int = 0, max_tokens: int = 256) -> Workload:
+    """Chat requests (the tokenizer's chat template) to repeat, correct or lightly edit a given
+    paragraph or code snippet: outputs that mostly copy their prompts, ending where the model ends
+    them (at most `max_tokens`). Texts cycle through COPY_TEXTS in a seeded order."""
+    rng = random.Random(seed)
+    order = list(range(len(COPY_TEXTS)))
+    rng.shuffle(order)
+    requests = []
+    for i in range(num_requests):
+        content = _copy_task(rng, COPY_TEXTS[order[i % len(order)]])
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        requests.append(WorkloadRequest(tokenizer.encode(text, add_special_tokens=False), max_tokens, ignore_eos=False))
+    return Workload("copy-edit", requests)
 
 
 WORKLOADS = {"sharegpt-like": sharegpt_like, "decode-heavy": decode_heavy, "long-prompt": long_prompt,

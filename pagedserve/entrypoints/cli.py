@@ -449,6 +449,24 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
                 args.json, runs if len(runs) > 1 else runs[0])
 
 
+def cmd_bench_spec(args: argparse.Namespace) -> None:
+    from pagedserve.bench.speculative import markdown_table, plot, run_spec_bench
+
+    parts = tuple(p for p in args.parts.split(",") if p) + (("serving",) if args.serving else ())
+    report = run_spec_bench(reps=args.reps, batch_reps=args.batch_reps, copy_requests=args.copy_requests,
+                            sharegpt_requests=args.sharegpt_requests, max_tokens=args.max_tokens, batch=args.batch,
+                            batch_requests=args.batch_requests, seed=args.seed, parts=parts,
+                            serving_requests=args.serving_requests, serving_rate=args.serving_rate)
+    table = markdown_table(report)
+    print(table)
+    save_report(args.out_dir, "bench_spec", table, None, args.json, report)
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    if not report["all_identical"]:
+        sys.exit("error: greedy outputs with speculation differ from those without")
+
+
 def cmd_export_hf(args: argparse.Namespace) -> None:
     """Write the embedded GGUF model as a Hugging Face directory (float32 safetensors + tokenizer),
     for systems that want one (vLLM)."""
@@ -722,6 +740,30 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--json", default=None)
     srv.set_defaults(func=cmd_bench_serving)
+
+    spec = bench.add_parser("spec", help="speculative decoding (n-gram, suffix, draft model) against speculation "
+                            "off, in one run, as ratios; and the cost of a decode row")
+    spec.add_argument("--parts", default="copy,draft,batch,cost",
+                      help="comma list of copy (batch 1, copy-edit: ngram, suffix), draft (batch 1, sharegpt-like: "
+                      "int4 draft of the model), batch (--batch requests at once, sharegpt-like: ngram), cost "
+                      "(a decode step's time by rows)")
+    spec.add_argument("--serving", action="store_true",
+                      help="also start `pagedserve serve` without and with ngram speculation and compare TPOT at "
+                      "--serving-rate")
+    spec.add_argument("--reps", type=positive(int), default=3, help="timed repetitions of the batch-1 parts")
+    spec.add_argument("--batch-reps", type=positive(int), default=3, help="timed repetitions of the batch part")
+    spec.add_argument("--copy-requests", type=positive(int), default=8)
+    spec.add_argument("--sharegpt-requests", type=positive(int), default=8, help="requests of the draft part")
+    spec.add_argument("--max-tokens", type=positive(int), default=256, help="the copy-edit requests' max_tokens")
+    spec.add_argument("--batch", type=positive(int), default=32, help="max_num_seqs of the batch part")
+    spec.add_argument("--batch-requests", type=positive(int), default=64)
+    spec.add_argument("--serving-requests", type=positive(int), default=16)
+    spec.add_argument("--serving-rate", type=positive(float), default=1.0)
+    spec.add_argument("--seed", type=int, default=0)
+    spec.add_argument("--out-dir", default=None, help="write bench_spec.md here")
+    spec.add_argument("--plot", default=None, help="write the figure (ratios and the cost curve) here")
+    spec.add_argument("--json", default=None)
+    spec.set_defaults(func=cmd_bench_spec)
 
     worker = sub.add_parser(
         "worker", help="a tensor-parallel rank > 0 for an engine on another machine (env:// rendezvous)",
