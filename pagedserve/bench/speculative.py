@@ -4,7 +4,7 @@ prompts and engine settings, reported as ratios.
 Parts (each a table row per method, the "off" row its baseline):
 - batch 1, copy-edit (requests that repeat or lightly edit a given text): n-gram and suffix
   proposers; one request at a time (max_num_seqs=1, one generate call per request);
-- batch 1, sharegpt-like: a draft model, the embedded model itself with int4 weights;
+- batch 1, sharegpt-like: a draft model, the embedded model itself quantized (its GGUF as stored);
 - batch 32, sharegpt-like with 64 requests (the `bench throughput` workload), n-gram: total output
   tokens/s of the whole run;
 - serving (`--serving`): `pagedserve serve` started with and without `--speculative-config`,
@@ -32,11 +32,12 @@ SUFFIX = {"method": "suffix"}
 COST_CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def draft_int4() -> dict:
-    """A draft model that is the embedded target itself with int4 weights (same tokenizer)."""
+def draft_q4() -> dict:
+    """A draft model that is the target itself, quantized: the embedded GGUF's own Q4_1 / Q8_0 tensors run
+    as stored (quantization "auto"), drafting for the float32 target (same tokenizer)."""
     from pagedserve.models.loader import embedded_model_path
 
-    return {"method": "draft_model", "model": embedded_model_path(), "quantization": "int4",
+    return {"method": "draft_model", "model": embedded_model_path(), "quantization": "auto",
             "num_speculative_tokens": 4}
 
 
@@ -295,7 +296,7 @@ def run_spec_bench(reps: int = 3, batch_reps: int = 3, copy_requests: int = 8, s
         workload = sharegpt_like(sharegpt_requests, seed)
         report["workloads"]["draft"] = workload.describe()
         log(f"batch 1, {workload.describe()}")
-        add(compare("batch 1, sharegpt-like", workload, {"off": None, "draft_model (int4 self)": draft_int4()},
+        add(compare("batch 1, sharegpt-like", workload, {"off": None, "draft_model (Q4 self)": draft_q4()},
                     model, tokenizer, reps, 1, engine_kwargs | {"kv_cache_memory_bytes": 256 << 20}, log))
     if "batch" in parts:
         workload = sharegpt_like(batch_requests, seed)

@@ -44,18 +44,19 @@ def lookup(packed: bytes | bytearray, num_tokens: int, min_n: int, max_n: int) -
     max_n = min(max_n, num_tokens - 1)
     if max_n < min_n:
         return None
-    # The shortest pattern is the likeliest to occur: when it does not, nothing longer does, and one
-    # scan settles the common no-match case.
-    first = earliest_match(packed, num_tokens, min_n)
-    if first < 0:
+    start = earliest_match(packed, num_tokens, min_n)
+    if start < 0:
         return None
-    for n in range(max_n, min_n, -1):
-        # An occurrence of the n-gram at s holds one of the min_n-gram at s + n - min_n, so it cannot
-        # start before first - (n - min_n).
-        start = earliest_match(packed, num_tokens, n, max(0, first - (n - min_n)))
-        if start >= 0:
-            return start, n
-    return first, min_n
+    n = min_n
+    # Grow n while it matches: a match of n + 1 tokens holds one of n a token later, so it starts at
+    # start - 1 or after, and when n + 1 tokens have none, no longer pattern has one. Text that
+    # repeats little costs two scans, text that repeats a lot a few short ones.
+    while n < max_n:
+        longer = earliest_match(packed, num_tokens, n + 1, max(0, start - 1))
+        if longer < 0:
+            break
+        start, n = longer, n + 1
+    return start, n
 
 
 class NgramProposer:

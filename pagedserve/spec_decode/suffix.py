@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Hashable, Sequence
 
-from pagedserve.spec_decode.suffix_trie import Node, SuffixTrie
+from pagedserve.spec_decode.suffix_trie import ROOT, SuffixTrie
 from pagedserve.spec_decode.token_history import TokenHistory
 
 
@@ -31,32 +31,39 @@ class RequestTrie:
     extends exactly these, and the first short enough is the context a proposal matches.
     """
 
-    __slots__ = ("history", "trie", "active")
+    __slots__ = ("history", "trie", "seq_id", "active")
 
     def __init__(self, depth: int) -> None:
         self.history = TokenHistory()
+        self._reset(depth)
+
+    def _reset(self, depth: int) -> None:
         self.trie = SuffixTrie(depth)
-        self.active: list[tuple[Node, int]] = []
+        self.seq_id = self.trie.new_sequence(self.history.tokens)  # leaves read the tokens from it
+        self.active: list[tuple[int, int]] = []
 
     def sync(self, token_ids: Sequence[int]) -> None:
         """Index the tokens new since the last call, or all of them when the list was rewritten."""
         known = self.history.sync(token_ids)
-        if known == 0:
-            self.trie = SuffixTrie(self.trie.depth)
-            self.active = []
         seq = self.history.tokens
+        if known < len(seq) and min(seq[known:]) < 0:
+            self.history = TokenHistory()
+            self._reset(self.trie.depth)
+            raise ValueError("token ids must be non-negative")
+        if known == 0:
+            self._reset(self.trie.depth)
         for position in range(known, len(seq)):
-            self._append(seq, position)
+            self._append(position)
 
-    def _append(self, seq: list[int], position: int) -> None:
-        trie = self.trie
+    def _append(self, position: int) -> None:
+        trie, seq_id = self.trie, self.seq_id
         depth = trie.depth
         active = []
         for node, start in self.active:
-            reached = trie.step(node, position - start, seq, start)
+            reached = trie.step(node, position - start, seq_id, start)
             if reached is not None and position + 1 - start < depth:
                 active.append((reached, start))
-        reached = trie.step(trie.root, 0, seq, position)
+        reached = trie.step(ROOT, 0, seq_id, position)
         if reached is not None and depth > 1:
             active.append((reached, position))
         self.active = active
@@ -91,7 +98,7 @@ class SuffixProposer:
         self.min_token_prob = float(min_token_prob)
         self._requests: dict[Hashable, RequestTrie] = {}
         self._cache = SuffixTrie(max_tree_depth)
-        self._cached: deque[list[int]] = deque()  # oldest first
+        self._cached: deque[int] = deque()  # the shared trie's sequence ids, oldest first
 
     @property
     def num_requests(self) -> int:
@@ -107,7 +114,7 @@ class SuffixProposer:
         return self._cache.num_occurrences
 
     def max_context(self, num_tokens: int) -> int:
-        """The longest suffix a proposal of `num_tokens` drafts matches on."""
+        """The most tokens of context a proposal of `num_tokens` drafts matches on."""
         depth = self.max_tree_depth
         return depth - max(1, min(num_tokens, depth // 2))
 
@@ -136,16 +143,14 @@ class SuffixProposer:
     def finish(self, request_id: Hashable, output_token_ids: Sequence[int]) -> None:
         """The request ended: drop its own trie; add its output to the shared one."""
         self._requests.pop(request_id, None)
-        if self.max_cached_requests == 0 or not output_token_ids:
+        if self.max_cached_requests == 0 or len(output_token_ids) == 0:
             return
         output = list(output_token_ids)
-        for start in range(len(output)):
-            self._cache.add(output, start)
-        self._cached.append(output)
+        if min(output) < 0:
+            raise ValueError("token ids must be non-negative")
+        self._cached.append(self._cache.add_sequence(output))
         while len(self._cached) > self.max_cached_requests:
-            evicted = self._cached.popleft()
-            for start in range(len(evicted)):
-                self._cache.remove(evicted, start)
+            self._cache.remove_sequence(self._cached.popleft())
 
     def abort(self, request_id: Hashable) -> None:
         """Drop the request's trie; its output is not cached."""

@@ -3,6 +3,7 @@ reference computes from those counts (every draft followed a matching context so
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.spec_decode.suffix import RequestTrie, SuffixProposer
-from pagedserve.spec_decode.suffix_trie import Node, SuffixTrie, child_count
+from pagedserve.spec_decode.suffix_trie import ROOT, SuffixTrie
 
 # A tiny alphabet: substrings repeat, so tries branch, merge and split leaves.
 token_lists = st.lists(st.integers(0, 3), max_size=30)
@@ -72,27 +73,33 @@ def reference_proposal(tokens, cached, depth, k, min_prob):
 def trie_strings(trie: SuffixTrie) -> Counter:
     """Every substring the trie stores with its count, leaves spelled out; checks the node invariants."""
     counts: Counter = Counter()
+    nodes = branching = 0
 
-    def visit(node: Node, prefix: tuple) -> None:
-        assert node.total == sum(child_count(c) for c in node.children.values())
-        if node.best is not None:
-            top = max(child_count(c) for c in node.children.values())
-            assert child_count(node.children[node.best]) == top
-            assert node.best == min(t for t, c in node.children.items() if child_count(c) == top)
-        for token, child in node.children.items():
+    def visit(node: int, prefix: tuple) -> None:
+        nonlocal nodes, branching
+        nodes += 1
+        children = trie.children(node)
+        branching += len(children) > 1
+        assert trie.continuations(node) == sum(map(trie.occurrences, children.values()))
+        if children:
+            top = max(map(trie.occurrences, children.values()))
+            assert trie.most_frequent(node) == min(t for t, c in children.items() if trie.occurrences(c) == top)
+        for token, child in children.items():
             string = prefix + (token,)
             assert len(string) <= trie.depth
-            if type(child) is tuple:
-                seq, start = child
+            if child < 0:
+                seq, start = trie.leaf(child)
                 assert tuple(seq[start:start + len(string)]) == string
                 for end in range(len(string), min(trie.depth, len(seq) - start) + 1):
                     counts[tuple(seq[start:start + end])] += 1
             else:
-                assert child.count > 0 and len(string) <= trie.depth
-                counts[string] += child.count
+                assert trie.occurrences(child) > 0
+                counts[string] += trie.occurrences(child)
                 visit(child, string)
 
-    visit(trie.root, ())
+    visit(ROOT, ())
+    assert nodes == trie.num_nodes  # no node is lost, none counted twice
+    assert branching == len(trie._many)  # a dict only where there are several children, none left behind
     return counts
 
 
@@ -103,14 +110,11 @@ depths = st.integers(2, 7)
 @given(texts=st.lists(token_lists, max_size=6), depth=depths, data=st.data())
 def test_trie_counts_match_a_scan_after_adds_and_removes(texts, depth, data):
     trie = SuffixTrie(depth)
-    for text in texts:
-        for start in range(len(text)):
-            trie.add(text, start)
+    ids = [trie.add_sequence(text) for text in texts]
     assert trie_strings(trie) == substring_counts(texts, depth)
     removed = data.draw(st.lists(st.sampled_from(range(len(texts))), unique=True) if texts else st.just([]))
     for index in removed:
-        for start in range(len(texts[index])):
-            trie.remove(texts[index], start)
+        trie.remove_sequence(ids[index])
     kept = [t for i, t in enumerate(texts) if i not in removed]
     assert trie_strings(trie) == substring_counts(kept, depth)
     assert trie.num_occurrences == sum(map(len, kept))
@@ -127,18 +131,30 @@ def test_incremental_indexing_equals_indexing_from_scratch(chunks, depth):
         tokens = tokens + chunk
         growing.sync(tokens)
         scratch = SuffixTrie(depth)
-        for start in range(len(tokens)):
-            scratch.add(tokens, start)
+        scratch.add_sequence(tokens)
         assert trie_strings(growing.trie) == trie_strings(scratch) == substring_counts([tokens], depth)
+
+
+def test_the_trie_is_a_few_objects_for_the_garbage_collector_whatever_its_size():
+    """Per-node objects would make every full collection walk them all, pausing the process."""
+    tokens = list(range(100, 1100)) * 3  # repeated: nodes, not only leaves
+    gc.collect()
+    before = len(gc.get_objects())
+    trie = SuffixTrie(24)
+    trie.add_sequence(tokens)
+    request = RequestTrie(24)
+    request.sync(tokens)
+    assert trie.num_nodes > 20000 and request.trie.num_nodes > 20000
+    assert len(gc.get_objects()) - before < 100
 
 
 def test_nothing_continues_past_the_depth():
     trie = SuffixTrie(3)
-    trie.add([1, 2, 3, 4], 0)
+    trie.add(trie.new_sequence([1, 2, 3, 4]), 0)
     assert trie.count([1, 2, 3]) == 1 and trie.count([1, 2, 3, 4]) == 0
-    assert trie.has_continuation(*trie.find([1, 2], 0, 2))
-    assert not trie.has_continuation(*trie.find([1, 2, 3], 0, 3))  # 4 follows, beyond the depth
-    assert trie.follow(*trie.find([1], 0, 1), 5, 0.0) == [2, 3]
+    assert trie.has_continuation(trie.find([1, 2], 0, 2), 2)
+    assert not trie.has_continuation(trie.find([1, 2, 3], 0, 3), 3)  # 4 follows, beyond the depth
+    assert trie.follow(trie.find([1], 0, 1), 1, 5, 0.0) == [2, 3]
 
 
 operations = st.lists(
@@ -252,6 +268,16 @@ def test_finish_and_abort_drop_the_request():
     proposer.finish("a", [])
     proposer.abort("b")
     assert proposer.num_requests == 0 and proposer.num_cached_requests == 0
+
+
+def test_negative_token_ids_are_refused_and_leave_no_state():
+    proposer = SuffixProposer()
+    with pytest.raises(ValueError):
+        proposer.propose("r", [1, 2, -3], 2)
+    assert proposer.propose("r", [1, 2, 1], 2) == [2, 1]
+    with pytest.raises(ValueError):
+        proposer.finish("r", [4, -1])
+    assert proposer.num_cached_requests == 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tree_depth=1), dict(max_tree_depth=True), dict(max_cached_requests=-1),
