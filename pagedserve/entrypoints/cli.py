@@ -745,7 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "off, in one run, as ratios; and the cost of a decode row")
     spec.add_argument("--parts", default="copy,draft,batch,cost",
                       help="comma list of copy (batch 1, copy-edit: ngram, suffix), draft (batch 1, sharegpt-like: "
-                      "int4 draft of the model), batch (--batch requests at once, sharegpt-like: ngram), cost "
+                      "a Q4 draft of the model), batch (--batch requests at once, sharegpt-like: ngram), cost "
                       "(a decode step's time by rows)")
     spec.add_argument("--serving", action="store_true",
                       help="also start `pagedserve serve` without and with ngram speculation and compare TPOT at "

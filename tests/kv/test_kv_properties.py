@@ -107,6 +107,32 @@ class KVCacheMachine(RuleBasedStateMachine):
         if req in self.m and self.m.num_tokens(req) == len(self.tokens[req]):
             self.grow(req, 1, [token])
 
+    @rule(req=requests, token=st.integers(0, 2), drafts=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+          accepted=st.integers(0, 6))
+    def speculate(self, req, token, drafts, accepted):
+        """A speculative decode step: one known token and drafts written behind it, of which the
+        verifier keeps `accepted`; the slots past them are given back. The cache is offered the known
+        tokens only: no block holding a rejected draft may become findable (`_admit` would read it)."""
+        if req not in self.m or self.m.num_tokens(req) != len(self.tokens[req]):
+            return
+        n, accepted = self.m.num_tokens(req), min(accepted, len(drafts))
+        known = self.tokens[req] + [token]
+        copies = self.m.grow(req, 1 + len(drafts), known)
+        if copies is None:
+            assert self.m.num_tokens(req) == n
+            return
+        self.cow_copies += len(copies)
+        for src, dst in copies:
+            for i in range(BLOCK_SIZE):
+                if src * BLOCK_SIZE + i in self.slots:
+                    self.slots[dst * BLOCK_SIZE + i] = self.slots[src * BLOCK_SIZE + i]
+        table = self.m.block_ids(req)
+        for t, value in enumerate([token] + drafts, start=n):
+            self.slots[table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE] = value
+        self.tokens[req] = known + drafts[:accepted]
+        self.m.shrink(req, n + 1 + accepted)
+        assert len(self.m.block_ids(req)) == -(-(n + 1 + accepted) // BLOCK_SIZE)
+
     @rule(target=requests, req=requests)
     def fork(self, req):
         if req not in self.m:
