@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pagedserve.config import SpeculativeConfig
 from pagedserve.core.request import Request
 
-# The cost of one more decode row in a step, as a share of a one-row step's (the embedded model
-# on the 2-core CPU, `pagedserve bench spec`'s cost curve): a draft must be accepted at least this
-# often to pay.
-DRAFT_ROW_COST = 0.12
+# The cost of one more decode row in a step, as a share of a one-row step's: a draft must be
+# accepted at least this often to pay. Measured by `pagedserve bench spec`'s cost curve (the embedded
+# model on the 2-core CPU: the mean marginal row up to 8 rows, docs/benchmarks.md).
+DRAFT_ROW_COST = 0.014
 # Steps a request that stopped drafting waits before it tries one draft again.
 PROBE_INTERVAL = 16
 # The acceptance rate's moving average: the weight of the newest draft.
