@@ -46,6 +46,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         for t in range(start, end):
             self.slots[table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE] = self.tokens[req][t]
 
+    def _copy_on_write(self, copies):
+        self.cow_copies += len(copies)
+        for src, dst in copies:
+            for i in range(BLOCK_SIZE):
+                if src * BLOCK_SIZE + i in self.slots:
+                    self.slots[dst * BLOCK_SIZE + i] = self.slots[src * BLOCK_SIZE + i]
+
     def _read(self, req):
         table = self.m.block_ids(req)
         return [self.slots.get(table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE) for t in range(self.m.num_tokens(req))]
@@ -94,11 +101,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if copies is None:
             assert self.m.num_tokens(req) == n
             return
-        self.cow_copies += len(copies)
-        for src, dst in copies:
-            for i in range(BLOCK_SIZE):
-                if src * BLOCK_SIZE + i in self.slots:
-                    self.slots[dst * BLOCK_SIZE + i] = self.slots[src * BLOCK_SIZE + i]
+        self._copy_on_write(copies)
         self._write(req, n, n + k)
 
     @rule(req=requests, token=st.integers(0, 2))
@@ -121,11 +124,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if copies is None:
             assert self.m.num_tokens(req) == n
             return
-        self.cow_copies += len(copies)
-        for src, dst in copies:
-            for i in range(BLOCK_SIZE):
-                if src * BLOCK_SIZE + i in self.slots:
-                    self.slots[dst * BLOCK_SIZE + i] = self.slots[src * BLOCK_SIZE + i]
+        self._copy_on_write(copies)
         table = self.m.block_ids(req)
         for t, value in enumerate([token] + drafts, start=n):
             self.slots[table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE] = value
