@@ -109,8 +109,8 @@ def test_greedy_outputs_equal_those_without_speculation(embedded_model, embedded
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, n=n, stop=stop, logprobs=logprobs)
     expected = baseline(params)
     overrides = dict(block_size=block_size, enable_prefix_caching=prefix_caching, speculative_config=SPEC)
-    if small_pool:  # a pool that holds about two of the requests at once: preemptions
-        overrides |= dict(num_kv_blocks=2 * 96 // block_size, max_model_len=96)
+    if small_pool:  # a pool that holds the longest request and little more: preemptions
+        overrides |= dict(num_kv_blocks=80 // block_size + 1, max_model_len=80)
     if chunk:
         overrides |= dict(max_num_batched_tokens=chunk)
     llm = with_scripted_drafts(make_llm(embedded_model, embedded_tokenizer, **overrides),
