@@ -58,13 +58,11 @@ class Speculation:
         self.counters = SpecDecodeCounters(accepted_per_position=[0] * self.max_drafts)
         self._states: dict[object, _RequestState] = {}
         self._ngram = self._suffix = None
-        if draft_proposer is not None:
-            pass
-        elif config.method == "ngram":
+        if draft_proposer is None and config.method == "ngram":
             from pagedserve.spec_decode.ngram import NgramProposer
 
             self._ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        elif config.method == "suffix":
+        elif draft_proposer is None and config.method == "suffix":
             from pagedserve.spec_decode.suffix import SuffixProposer
 
             self._suffix = SuffixProposer(config.suffix_decoding_max_tree_depth,
