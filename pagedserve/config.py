@@ -22,6 +22,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXECUTOR_BACKENDS = ("auto", "mp", "external")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_OFFLOAD_POLICIES = ("write_through", "evicted")
+PREEMPTION_MODES = ("recompute", "swap")
+DEFAULT_KV_OFFLOAD_BYTES = 16 << 30  # 16 GiB of files: ~350k tokens of the embedded model in float32
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
@@ -166,6 +169,21 @@ class EngineConfig:
         "num_speculative_tokens, prompt_lookup_min/max (ngram), model and quantization (draft_model)")
     grammar_compile_timeout: float = _setting(
         10.0, "structured output: seconds a request may wait for its grammar to compile before it fails with a 400")
+    kv_offload_dir: str | None = _setting(
+        None, "a directory for a second KV tier behind the pool: full blocks are written there as files and read "
+        "back on a prefix-cache miss, also by a later process on the same model (off unless set)")
+    kv_offload_bytes: int | None = _setting(
+        None, f"the KV tier's size bound; the least recently used blocks go first (default "
+        f"{DEFAULT_KV_OFFLOAD_BYTES >> 30} GiB)")
+    kv_offload_policy: str = _setting(
+        "write_through", "which blocks the KV tier receives: write_through (every full block once computed) or "
+        "evicted (a cached block as the pool evicts it, when hit at least --kv-offload-min-hits times)",
+        KV_OFFLOAD_POLICIES)
+    kv_offload_min_hits: int = _setting(0, "kv_offload_policy=evicted: the prefix-cache hits a block needs to be kept")
+    preemption_mode: str = _setting(
+        "recompute", "what a preempted request loses: recompute (its blocks are freed and computed again) or swap "
+        "(its full blocks are written to the KV tier and read back when it resumes; needs --kv-offload-dir)",
+        PREEMPTION_MODES)
 
     def __post_init__(self) -> None:
         import torch
@@ -195,6 +213,38 @@ class EngineConfig:
             raise ValueError("calculate_kv_scales needs kv_cache_dtype='fp8'")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_kv_offload()
+
+    def _check_kv_offload(self) -> None:
+        if self.kv_offload_policy not in KV_OFFLOAD_POLICIES:
+            raise ValueError(f"kv_offload_policy must be one of {', '.join(KV_OFFLOAD_POLICIES)}; "
+                             f"got {self.kv_offload_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; got {self.preemption_mode!r}")
+        if self.kv_offload_min_hits < 0:
+            raise ValueError(f"kv_offload_min_hits must be >= 0, got {self.kv_offload_min_hits}")
+        if self.kv_offload_dir is None:
+            if self.kv_offload_bytes is not None:
+                raise ValueError("kv_offload_bytes bounds the KV tier: set kv_offload_dir too")
+            if self.preemption_mode == "swap":
+                raise ValueError("preemption_mode='swap' writes preempted requests to the KV tier: set kv_offload_dir")
+            return
+        if self.kv_offload_bytes is None:
+            self.kv_offload_bytes = DEFAULT_KV_OFFLOAD_BYTES
+        if self.kv_offload_bytes < 1:
+            raise ValueError(f"kv_offload_bytes must be >= 1, got {self.kv_offload_bytes}")
+        # The tier is keyed by the prefix cache's block hashes.
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir needs enable_prefix_caching: the KV tier is keyed by its block hashes")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_dir is not supported with tensor_parallel_size > 1 (each rank holds a "
+                             "share of every block)")
+        if self.calculate_kv_scales:
+            raise ValueError("kv_offload_dir cannot be used with calculate_kv_scales: a block written under one "
+                             "process's scales would be read under another's")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            raise ValueError("kv_offload_dir cannot be used with a draft model yet: its K/V shares the pool's "
+                             "blocks and is not written to the tier")
 
     @property
     def torch_dtype(self) -> torch.dtype:
