@@ -169,8 +169,15 @@ class FileTier:
             for entry in os.scandir(self.path):
                 if entry.name.endswith(".tmp"):  # a write an earlier process did not finish
                     os.unlink(entry.path)
-                elif entry.name.endswith(SUFFIX) and entry.stat().st_size == self.file_bytes:
-                    found.append((entry.stat().st_mtime_ns, entry.name))
+                elif entry.name.endswith(SUFFIX):
+                    size = entry.stat().st_size
+                    if size == self.file_bytes:
+                        found.append((entry.stat().st_mtime_ns, entry.name))
+                    else:
+                        logger.warning("KV tier: %s is damaged (%d bytes, not %d); deleted", entry.name, size,
+                                       self.file_bytes)
+                        self.num_corrupt += 1
+                        os.unlink(entry.path)
         except OSError as e:
             logger.warning("KV tier: cannot use %s (%s); running without the tier", self.path, e)
             return False

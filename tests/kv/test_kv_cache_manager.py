@@ -231,3 +231,129 @@ def test_a_hash_list_is_the_chain_of_the_tokens_with_their_extra_keys():
     m.admit("r", [1, 2, 3, 4, 5], extra_keys="lora-1", block_hashes=hashes)
     h0 = hash_block(None, [1, 2], "lora-1")
     assert hashes == [h0, hash_block(h0, [3, 4], "lora-1")]
+
+
+class DictTier:
+    """A KV tier as the manager sees one: `hash in tier` and `read`, a prefix of intact payloads."""
+
+    def __init__(self, entries=None, damaged=()):
+        self.entries = dict(entries or {})
+        self.damaged = set(damaged)
+
+    def __contains__(self, block_hash):
+        return block_hash in self.entries
+
+    def read(self, hashes):
+        out = []
+        for block_hash in hashes:
+            if block_hash not in self.entries or block_hash in self.damaged:
+                self.entries.pop(block_hash, None)
+                break
+            out.append(self.entries[block_hash])
+        return out
+
+
+def chain(tokens, block_size=4):
+    hashes = []
+    for i in range(len(tokens) // block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
+def test_a_prefix_the_pool_lacks_is_loaded_from_the_tier_into_new_blocks():
+    prompt = list(range(13))  # three full blocks and one token
+    hashes = chain(prompt)
+    tier = DictTier({hashes[0]: "p0", hashes[1]: "p1"})
+    m = KVCacheManager(num_blocks=8, block_size=4, tier=tier)
+    assert m.admit("A", prompt) == 8
+    table = m.block_ids("A")
+    stores, loads = m.take_transfers()
+    assert stores == [] and loads == [(table[0], "p0"), (table[1], "p1")]
+    s = m.stats()
+    assert (s.prefix_hits, s.offload_hits, s.offload_loaded_blocks) == (8, 8, 2)
+    assert m.take_transfers() == ([], [])  # taken once
+
+
+def test_the_pool_serves_first_and_the_tier_continues_where_it_ends():
+    prompt = list(range(17))
+    hashes = chain(prompt)
+    m = KVCacheManager(num_blocks=10, block_size=4, tier=DictTier({h: f"p{i}" for i, h in enumerate(hashes)}))
+    m.admit("A", prompt[:9])  # computes (and caches) the first two blocks
+    m.confirm_cached()
+    m.take_transfers()
+    m.free("A")
+    assert m.admit("B", prompt) == 16
+    _, loads = m.take_transfers()
+    assert [payload for _, payload in loads] == ["p2", "p3"]  # blocks 0 and 1 came from the pool
+
+
+def test_a_damaged_tier_block_ends_the_prefix_and_is_computed():
+    prompt = list(range(13))
+    hashes = chain(prompt)
+    tier = DictTier({hashes[0]: "p0", hashes[1]: "p1", hashes[2]: "p2"}, damaged={hashes[1]})
+    m = KVCacheManager(num_blocks=8, block_size=4, tier=tier)
+    assert m.admit("A", prompt, num_new_tokens=2) == 4  # block 0 from the tier, then 2 tokens computed
+    assert m.num_tokens("A") == 6 and len(m.block_ids("A")) == 2
+    assert [p for _, p in m.take_transfers()[1]] == ["p0"]
+    assert hashes[1] not in tier
+
+
+def test_an_admission_the_pool_cannot_cover_reads_nothing_and_changes_nothing():
+    prompt = list(range(13))
+    hashes = chain(prompt)
+
+    class Counting(DictTier):
+        reads = 0
+
+        def read(self, hashes):
+            self.reads += 1
+            return super().read(hashes)
+
+    tier = Counting({h: "p" for h in hashes})
+    m = KVCacheManager(num_blocks=3, block_size=4, tier=tier)
+    assert m.admit("A", prompt) is None
+    assert tier.reads == 0 and m.num_free_blocks == 3 and m.take_transfers() == ([], [])
+
+
+def test_write_through_sends_each_computed_block_the_tier_lacks_once_its_step_ran():
+    prompt = list(range(9))
+    hashes = chain(prompt)
+    m = KVCacheManager(num_blocks=8, block_size=4, tier=DictTier({hashes[1]: "already"}))
+    m.admit("A", prompt, read_cache=False)
+    assert m.take_transfers() == ([], [])  # nothing is computed yet
+    m.confirm_cached()
+    table = m.block_ids("A")
+    assert m.take_transfers() == ([(table[0], hashes[0])], [])
+    m.discard_unconfirmed()
+    m.admit("B", list(range(50, 59)), read_cache=False)
+    m.discard_unconfirmed()  # that step failed: its blocks hold nothing
+    m.confirm_cached()
+    assert m.take_transfers() == ([], [])
+
+
+def test_the_evicted_policy_stores_a_cached_block_as_it_is_reused_when_hit_often_enough():
+    m = KVCacheManager(num_blocks=2, block_size=4, tier=DictTier(), offload_policy="evicted", offload_min_hits=1)
+    cold, hot = list(range(5)), list(range(100, 105))
+    m.admit("cold", cold)
+    m.confirm_cached()
+    m.free("cold")
+    m.admit("hot", hot)
+    m.confirm_cached()
+    m.free("hot")
+    m.admit("hot again", hot)  # a hit on the hot block
+    m.free("hot again")
+    assert m.take_transfers() == ([], [])  # written through? no: this policy waits for eviction
+    m.admit("new", list(range(200, 208)))  # takes both blocks: evicts the cold one and the hot one
+    stores, _ = m.take_transfers()
+    assert [h for _, h in stores] == chain(hot)  # only the block hit at least once
+
+
+def test_swap_sends_the_victims_computed_full_blocks():
+    prompt = list(range(10))
+    m = KVCacheManager(num_blocks=8, block_size=4, tier=DictTier(), offload_policy="evicted", offload_min_hits=99)
+    m.admit("A", prompt)
+    m.confirm_cached()
+    table, hashes = m.block_ids("A"), chain(prompt)
+    m.offload("A")
+    m.free("A")
+    assert m.take_transfers() == ([(table[0], hashes[0]), (table[1], hashes[1])], [])

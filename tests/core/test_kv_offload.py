@@ -1,0 +1,151 @@
+"""The KV tier in the engine, on the real embedded model: greedy outputs with the tier (blocks read
+back, requests swapped, a restart, a damaged file, a full disk, an unusable directory) are token for
+token those without it, under preemption and chunked prefill, with a tiny pool and a tiny tier that
+force every path; nothing leaks."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+
+import pytest
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.entrypoints.llm import LLM
+from pagedserve.offload import file_tier
+from pagedserve.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+rng = random.Random(0)
+SYSTEM = [rng.randrange(100, 20000) for _ in range(48)]  # a shared system prompt of 12 blocks
+USERS = [[rng.randrange(100, 20000) for _ in range(rng.randrange(5, 30))] for _ in range(6)]
+
+
+def make_llm(embedded_model, embedded_tokenizer, **overrides) -> LLM:
+    settings = dict(num_kv_blocks=512, max_model_len=256, block_size=BLOCK_SIZE) | overrides
+    return LLM.from_engine(LLMEngine(EngineConfig(**settings), model=embedded_model, tokenizer=embedded_tokenizer))
+
+
+def generate(llm: LLM, prompts: list[list[int]]):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def two_turns(llm: LLM) -> list[list[int]]:
+    """Six sessions: a first turn each, then a second on the first's context plus a new message."""
+    first = [SYSTEM + user for user in USERS]
+    answers = token_ids(generate(llm, first))
+    second = [p + a + user[:7] for p, a, user in zip(first, answers, reversed(USERS))]
+    return answers + token_ids(generate(llm, second))
+
+
+def assert_all_free(llm: LLM) -> None:
+    stats = llm.llm_engine.kv.stats()
+    assert stats.used_blocks == 0 and stats.free_blocks == stats.total_blocks
+    assert not llm.llm_engine.scheduler.has_unfinished()
+
+
+def tier_of(llm: LLM) -> file_tier.FileTier:
+    return llm.llm_engine.core.kv.tier
+
+
+@pytest.fixture(scope="module")
+def expected(embedded_model, embedded_tokenizer):
+    return two_turns(make_llm(embedded_model, embedded_tokenizer, enable_prefix_caching=False))
+
+
+# A pool of 40 blocks holds about two of the sessions; the tiers hold fewer blocks than are sent to them.
+SMALL_POOL = dict(num_kv_blocks=40, max_model_len=140, max_num_seqs=4)
+TIER_BLOCK_FILE = 30 * 2 * 3 * BLOCK_SIZE * 64 * 4 + file_tier.HEADER.size  # the embedded model, float32
+
+
+@pytest.mark.parametrize("policy, min_hits, preemption, chunk, tier_blocks", [
+    ("write_through", 0, "recompute", None, 60),
+    ("write_through", 0, "swap", 16, 60),
+    ("evicted", 0, "recompute", 16, 40),
+    ("evicted", 99, "swap", None, 20),  # only swap writes to the tier
+])
+def test_outputs_with_the_tier_are_those_without_it(embedded_model, embedded_tokenizer, expected, tmp_path,
+                                                   policy, min_hits, preemption, chunk, tier_blocks):
+    overrides = dict(SMALL_POOL, kv_offload_dir=str(tmp_path), kv_offload_bytes=tier_blocks * TIER_BLOCK_FILE,
+                     kv_offload_policy=policy, kv_offload_min_hits=min_hits, preemption_mode=preemption)
+    if chunk:
+        overrides["max_num_batched_tokens"] = chunk
+    llm = make_llm(embedded_model, embedded_tokenizer, **overrides)
+    assert two_turns(llm) == expected
+    m = llm.get_metrics()
+    tier = tier_of(llm)
+    tier.flush()
+    assert m["kv_offload_stored_blocks"] > 0 and m["kv_offload_loaded_blocks"] > 0
+    assert m["kv_offload_hit_tokens"] == m["kv_offload_loaded_blocks"] * BLOCK_SIZE
+    assert m["preemptions"] > 0
+    assert tier.num_stored > len(tier) == tier.capacity_blocks  # full: it evicted blocks to take new ones
+    assert_all_free(llm)
+    llm.shutdown()
+
+
+def test_a_restarted_engine_finds_the_prefixes_the_last_one_wrote(embedded_model, embedded_tokenizer, expected,
+                                                                  tmp_path):
+    first = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(tmp_path))
+    generate(first, [SYSTEM + USERS[0]])
+    first.shutdown()  # pending blocks are written
+    again = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(tmp_path))
+    (output,) = generate(again, [SYSTEM + USERS[1]])
+    assert output.num_cached_tokens >= len(SYSTEM)
+    assert token_ids([output]) == expected[1:2]
+    assert_all_free(again)
+    again.shutdown()
+
+
+def test_a_damaged_file_is_computed_instead_with_a_log_line(embedded_model, embedded_tokenizer, expected,
+                                                            tmp_path, caplog):
+    first = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(tmp_path))
+    generate(first, [SYSTEM + USERS[0]])
+    first.shutdown()
+    tier_files = sorted(tmp_path.glob("*/*" + file_tier.SUFFIX))
+    assert tier_files
+    for path in tier_files:  # every file damaged: a bit flipped, and the last one cut short too
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= 0x40
+        path.write_bytes(bytes(raw[:-1] if path == tier_files[-1] else raw))
+    with caplog.at_level(logging.WARNING, logger=file_tier.__name__):
+        again = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(tmp_path))
+        (output,) = generate(again, [SYSTEM + USERS[1]])
+    assert caplog.text.count("damaged") == 2 and tier_of(again).num_corrupt == 2  # at start; when read
+    assert output.num_cached_tokens == 0 and token_ids([output]) == expected[1:2]
+    assert_all_free(again)
+    again.shutdown()
+
+
+def test_a_full_disk_costs_only_the_speed_up(embedded_model, embedded_tokenizer, expected, tmp_path, caplog,
+                                            monkeypatch):
+    def full_disk(path, mode="r", *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(file_tier, "open", full_disk, raising=False)
+    llm = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    with caplog.at_level(logging.WARNING, logger=file_tier.__name__):
+        assert two_turns(llm) == expected
+        tier_of(llm).flush()
+    assert "No space left" in caplog.text and tier_of(llm).num_write_errors > 0
+    assert_all_free(llm)
+    llm.shutdown()
+
+
+def test_an_unusable_directory_costs_only_the_speed_up(embedded_model, embedded_tokenizer, expected, tmp_path,
+                                                      caplog):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger=file_tier.__name__):
+        llm = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(blocker / "tier"), **SMALL_POOL)
+    assert "running without the tier" in caplog.text
+    assert two_turns(llm) == expected
+    assert llm.get_metrics()["kv_offload_loaded_blocks"] == 0
+    assert_all_free(llm)
+    llm.shutdown()
