@@ -140,3 +140,18 @@ def test_percentiles_and_vocab():
     Config.vocab_size = 128
     assert safe_vocab(Config) == range(3, 128)
 
+
+def test_the_command_line_parses():
+    from pagedserve.entrypoints.cli import build_parser, cmd_bench_offload
+
+    args = build_parser().parse_args(["bench", "offload", "--parts", "multiturn,restart", "--sessions", "4",
+                                      "--turns", "3", "--reps", "2", "--shared-system-prompt", "--policies",
+                                      "write_through", "--out-dir", "out", "--json", "o.json", "--plot", "o.png"])
+    assert args.func is cmd_bench_offload
+    assert (args.parts, args.sessions, args.turns, args.reps) == ("multiturn,restart", 4, 3, 2)
+    assert args.shared_system_prompt and args.policies == "write_through" and args.restart_reps == 3
+    defaults = build_parser().parse_args(["bench", "offload"])
+    assert defaults.parts == "multiturn,noreuse,restart,swap" and defaults.restart_prefix_len == 2000
+    assert (defaults.sessions, defaults.turns, defaults.reps, defaults.policies) == (8, 4, 2, "write_through,evicted")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "offload", "--sessions", "0"])
