@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedserve.kv",),  # the block pool and its manager
     ("pagedserve.spec_decode",),  # speculative decoding: draft proposers, the rejection sampler
     ("pagedserve.attention",),
+    ("pagedserve.offload",),  # the KV tier behind the pool: block files, and transfers in its layout
     ("pagedserve.distributed",),  # the tensor-parallel process group
     ("pagedserve.models",),
     # What the core plans and samples, which the worker side reads.

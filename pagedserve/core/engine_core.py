@@ -144,8 +144,11 @@ class EngineCore:
             kv_bytes_per_token += draft.kv_bytes_per_token(config.kv_torch_dtype)
         self.num_blocks, self.max_model_len = config.resolve_kv_pool(kv_bytes_per_token, model_max_len, measured)
         self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 tier=self.executor.kv_tier(), offload_policy=config.kv_offload_policy,
+                                 offload_min_hits=config.kv_offload_min_hits)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.preemption_mode)
         self.sampler = Sampler(seed=config.seed)
         self.token_counts = TokenCounts(model_config.vocab_size, config.device)
         self.eos_token_ids = set(model_config.eos_token_ids) | set(eos_token_ids)
@@ -415,6 +418,8 @@ class EngineCore:
     def _commit(self, plan: SchedulerOutput, result: _StepResult) -> list[SampleOutput]:
         """Apply a computed step: the tokens are in the cache, forks start, tokens are appended."""
         self.scheduler.finish_step(plan)
+        if self.kv.tier is not None:
+            self._write_through()
         for request, entries in result.prompt_logprobs:
             request.prompt_logprobs += entries
         for request in result.samplers:
@@ -444,6 +449,16 @@ class EngineCore:
             self.speculation.propose([r for r in running if r.num_computed_tokens == r.num_tokens - 1],
                                      self.max_model_len, len(running))
         return outputs
+
+    def _write_through(self) -> None:
+        """Copy the blocks this step filled to the KV tier now, while their K/V is surely theirs (a
+        later step may reuse them). A failure costs only the tier's speed-up."""
+        stores, _ = self.kv.take_transfers()
+        if stores:
+            try:
+                self.executor.transfer_blocks(stores, [])
+            except Exception:
+                logger.exception("copying %d blocks to the KV tier failed; they are not kept", len(stores))
 
     def _append_tokens(self, request: Request, tokens: list[int], sampled: SamplerOutput,
                        entries: range) -> SampleOutput:

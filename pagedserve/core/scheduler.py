@@ -1,10 +1,11 @@
-"""One step's plan: continuous batching with chunked prefill and preemption by recomputation.
+"""One step's plan: continuous batching with chunked prefill and preemption.
 
 Each step, under a token budget (`max_num_batched_tokens`) and a cap on running requests
 (`max_num_seqs`):
 1. running requests, oldest first, get their next token (decode) or their next prompt chunk;
    when the pool cannot cover one, the most recently admitted running request is preempted
-   (its blocks freed, itself sent back to the front of the queue to be recomputed later);
+   (its blocks freed, itself sent back to the front of the queue to be recomputed later; with
+   preemption_mode "swap" its full blocks are first sent to the KV tier, to be read back);
 2. if nobody was preempted, waiting requests are admitted in arrival order while blocks,
    budget and seats last; each may get its cached prefix for free and its first chunk.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.kv import BlockCopy, KVCacheManager
+from pagedserve.kv.kv_cache_manager import BlockLoad, BlockStore
 
 
 @dataclass
@@ -38,6 +40,10 @@ class SchedulerOutput:
     new_block_ids: list[list[int]] = field(default_factory=list)  # per request, see above
     new_tables: list[bool] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, before writing
+    # The KV tier's transfers, before anything else: blocks to copy out (they may be reused in this
+    # step), then blocks to fill from the tier (`KVCacheManager.take_transfers`).
+    kv_stores: list[BlockStore] = field(default_factory=list)
+    kv_loads: list[BlockLoad] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     freed: list[Hashable] = field(default_factory=list)  # ids whose blocks were freed since the last plan
     undone: bool = False  # the step failed and `Scheduler.undo_step` took it back
@@ -61,7 +67,8 @@ class SchedulerOutput:
     def subset(self, rows: list[int]) -> SchedulerOutput:
         """The plan of these requests alone (every block copy and freed id kept: doing them again
         is harmless)."""
-        part = SchedulerOutput(block_copies=self.block_copies, freed=self.freed)
+        part = SchedulerOutput(block_copies=self.block_copies, freed=self.freed, kv_stores=self.kv_stores,
+                               kv_loads=self.kv_loads)
         for i in rows:
             part.add(self.requests[i], self.num_new_tokens[i], self.new_block_ids[i], self.new_tables[i],
                      self.spec_token_ids[i])
@@ -69,8 +76,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption_mode: str = "recompute") -> None:
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         self.kv = kv
+        self.swap = preemption_mode == "swap"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -139,6 +150,7 @@ class Scheduler:
             num_new = self.kv.num_tokens(request.request_id) - num_cached
             out.add(request, num_new, self.kv.block_ids(request.request_id), True)
             budget -= num_new
+        out.kv_stores, out.kv_loads = self.kv.take_transfers()
         return out
 
     def finish_step(self, out: SchedulerOutput) -> None:
@@ -193,6 +205,8 @@ class Scheduler:
         self._new_to_runner.discard(request.request_id)
 
     def _preempt(self, request: Request) -> None:
+        if self.swap:
+            self.kv.offload(request.request_id)
         self.running.remove(request)
         self._release(request)
         request.status = RequestStatus.WAITING

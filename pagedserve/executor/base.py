@@ -53,6 +53,12 @@ class Executor(Protocol):
         """The draft model that proposes drafts (speculative_config's method draft_model: it runs
         beside the model, over the same block tables), or None."""
 
+    def kv_tier(self):
+        """The KV tier behind the pool (kv_offload_dir), or None."""
+
+    def transfer_blocks(self, stores: list[tuple[int, bytes]], loads: list[tuple[int, torch.Tensor]]) -> None:
+        """Copy blocks to the KV tier, then fill blocks from its payloads (`ModelRunner.transfer_blocks`)."""
+
     def check_health(self) -> None:
         """Raise ExecutorFailed if a step can no longer run."""
 

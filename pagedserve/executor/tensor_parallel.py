@@ -168,6 +168,12 @@ class TensorParallelExecutor:
     def draft_proposer(self):
         return self.draft
 
+    def kv_tier(self):
+        return None  # EngineConfig refuses kv_offload_dir under tensor parallelism
+
+    def transfer_blocks(self, stores, loads) -> None:
+        raise NotImplementedError("the KV tier is not supported under tensor parallelism")
+
     def check_health(self) -> None:
         """ExecutorFailed if the group is broken, or a spawned worker is gone."""
         if self._failed is None:

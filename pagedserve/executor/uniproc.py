@@ -27,6 +27,7 @@ class UniProcExecutor:
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_decode_graphs(max_model_len)
+        self.runner.open_kv_tier()
         if self.draft is not None:
             self.draft.initialize_kv_cache(num_blocks, max_model_len)
 
@@ -45,8 +46,15 @@ class UniProcExecutor:
     def draft_proposer(self):
         return self.draft
 
+    def kv_tier(self):
+        return self.runner.kv_tier
+
+    def transfer_blocks(self, stores, loads) -> None:
+        self.runner.transfer_blocks(stores, loads)
+
     def check_health(self) -> None:
         pass
 
     def shutdown(self) -> None:
-        pass
+        if self.runner.kv_tier is not None:
+            self.runner.kv_tier.close()  # pending blocks are written: a restart finds them

@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 class Block:
     """One physical block of `block_size` token slots."""
 
-    __slots__ = ("block_id", "ref_count", "num_tokens", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "num_tokens", "block_hash", "num_hits", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -23,6 +23,7 @@ class Block:
         self.num_tokens = 0
         # Set while the block holds a full block of cached prefix that others may hit.
         self.block_hash: bytes | None = None
+        self.num_hits = 0  # times the prefix cache served it since it was cached
         # Links of the intrusive free queue; both None while the block is in use.
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
@@ -107,6 +108,10 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.num_cached_free = 0  # free blocks that still hold a findable cached prefix
         self.num_filled_slots = 0  # sum of `num_tokens` over the blocks in use
+        # (block id, hash, hits) of each cached block that `allocate` evicted, when recorded (a KV
+        # tier that receives blocks as they are evicted); its owner empties it.
+        self.record_evictions = False
+        self.evicted: list[tuple[int, bytes, int]] = []
 
     @property
     def num_free(self) -> int:
@@ -123,6 +128,8 @@ class BlockPool:
         taken = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if self.record_evictions and block.block_hash is not None:
+                self.evicted.append((block.block_id, block.block_hash, block.num_hits))
             self._forget(block)
             block.ref_count = 1
             block.num_tokens = 0  # whatever it held is overwritten
@@ -198,5 +205,6 @@ class BlockPool:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
             block.block_hash = None
+            block.num_hits = 0
             if block.ref_count == 0:
                 self.num_cached_free -= 1

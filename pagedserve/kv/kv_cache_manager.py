@@ -8,6 +8,14 @@ unfilled tail of the last block.
 Every allocating call is all-or-nothing: when the pool cannot cover it, nothing changes and
 the caller gets `None`, so the scheduler can preempt someone and try again.
 
+With a KV tier behind the pool (`tier`), the prefix cache reaches into it: a lookup that runs past
+the pool's cached blocks goes on in the tier, and the blocks found there are allocated and loaded
+(their payloads ride in the step's plan, `take_transfers`). Blocks reach the tier by the policy
+given: every full block once its step has computed it ("write_through"), or a cached block as the
+pool evicts it, when it was hit at least `offload_min_hits` times ("evicted"); and a preempted
+request's blocks on request (`offload`, swap preemption). The tier is duck-typed: `hash in tier`,
+and `tier.read(hashes)`, which returns the payloads of the leading blocks it holds intact.
+
 A request's prefix-cache hashes live in a list its caller owns and passes to `admit` (the
 engine keeps one per `Request`): the manager extends it in place as blocks fill, so each full
 block is hashed once in the request's life, across failed admissions and preemptions.
@@ -18,13 +26,15 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 from pagedserve.kv.block_pool import Block, BlockPool
 from pagedserve.kv.sizes import cdiv
 
 RequestId = Hashable
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
+BlockStore = tuple[int, bytes]  # (block id, its hash): copy the block's K/V to the tier
+BlockLoad = tuple[int, Any]  # (block id, the tier's payload): copy the payload into the block
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: object = None) -> bytes:
@@ -50,6 +60,9 @@ class KVCacheStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found cached
     cow_copies: int
+    offload_hits: int = 0  # of prefix_hits, tokens read from the KV tier
+    offload_stored_blocks: int = 0  # blocks sent to the KV tier
+    offload_loaded_blocks: int = 0  # blocks read back from it
 
     @property
     def usage(self) -> float:
@@ -83,12 +96,25 @@ class _Table:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, *,
+                 tier: Any = None, offload_policy: str = "write_through", offload_min_hits: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if offload_policy not in ("write_through", "evicted"):
+            raise ValueError(f"offload_policy must be 'write_through' or 'evicted', got {offload_policy!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.tier = tier if enable_prefix_caching else None  # keyed by the prefix cache's hashes
+        self.write_through = offload_policy == "write_through"
+        self.offload_min_hits = offload_min_hits
+        self.pool.record_evictions = self.tier is not None and not self.write_through
+        self._stores: list[BlockStore] = []  # for the next plan
+        self._loads: list[BlockLoad] = []
+        self._storing: set[bytes] = set()  # the hashes in _stores
+        self.offload_hits = 0
+        self.offload_stored_blocks = 0
+        self.offload_loaded_blocks = 0
         self._tables: dict[RequestId, _Table] = {}
         # Blocks made findable since the last `confirm_cached()`: their hashes are registered
         # when a step is planned, before the forward pass writes their K/V.
@@ -166,26 +192,52 @@ class KVCacheManager:
             raise ValueError(f"request {req_id!r} already has a block table")
         if not token_ids:
             raise ValueError("cannot admit a request with no tokens")
+        if num_new_tokens is not None and num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         hashes = [] if block_hashes is None else block_hashes
         hit = self.find_cached_prefix(token_ids, extra_keys, hashes) if read_cache else []
-        num_cached = len(hit) * self.block_size
-        remaining = len(token_ids) - num_cached
-        n = remaining if num_new_tokens is None else min(remaining, num_new_tokens)
-        if n < 1:
-            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
-        num_new_blocks = cdiv(num_cached + n, self.block_size) - len(hit)
+        in_tier = self._tier_prefix(token_ids, extra_keys, hashes, len(hit)) if read_cache and self.tier else []
         num_revived = sum(1 for b in hit if b.ref_count == 0)
-        if num_new_blocks + num_revived > self.pool.num_free:
+        if self._blocks_to_admit(len(token_ids), len(hit) + len(in_tier), num_new_tokens) - len(hit) \
+                + num_revived > self.pool.num_free:
             return None
+        # Read only once the blocks are sure; a block that fails its checks ends the prefix there
+        # (fewer cached blocks never need more new ones).
+        payloads = self.tier.read(in_tier) if in_tier else []
+        num_cached = (len(hit) + len(payloads)) * self.block_size
+        num_blocks = self._blocks_to_admit(len(token_ids), len(hit) + len(payloads), num_new_tokens)
         self.pool.touch(hit)  # hit blocks are full: their token count is already right
-        table = _Table(hit + self.pool.allocate(num_new_blocks), num_cached + n, hashes, len(hit), extra_keys)
+        for block in hit:
+            block.num_hits += 1
+        new_blocks = self.pool.allocate(num_blocks - len(hit))
+        self._loads += [(block.block_id, payload) for block, payload in zip(new_blocks, payloads)]
+        n = min(len(token_ids) - num_cached, num_new_tokens or len(token_ids))
+        table = _Table(hit + new_blocks, num_cached + n, hashes, len(hit), extra_keys)
         self._tables[req_id] = table
         self._count_tokens(table, len(hit))
         if read_cache:
             self.prefix_queries += len(token_ids)
         self.prefix_hits += num_cached
-        self._cache_full_blocks(table, token_ids)
+        self.offload_hits += len(payloads) * self.block_size
+        self.offload_loaded_blocks += len(payloads)
+        self._cache_full_blocks(table, token_ids)  # the loaded blocks too: findable once the step has run
         return num_cached
+
+    def _blocks_to_admit(self, num_tokens: int, num_cached_blocks: int, num_new_tokens: int | None) -> int:
+        """The blocks a request of `num_tokens` tokens holds once admitted with this many cached."""
+        num_cached = num_cached_blocks * self.block_size
+        return cdiv(num_cached + min(num_tokens - num_cached, num_new_tokens or num_tokens), self.block_size)
+
+    def _tier_prefix(self, token_ids: Sequence[int], extra_keys: object, hashes: list[bytes], start: int) -> list[bytes]:
+        """The hashes of the blocks from `start` on that the tier holds, up to the first it lacks
+        (the last token left out, as in `find_cached_prefix`)."""
+        found = []
+        for i in range(start, (len(token_ids) - 1) // self.block_size):
+            self._hash_blocks(hashes, token_ids, i + 1, extra_keys)
+            if hashes[i] not in self.tier:
+                break
+            found.append(hashes[i])
+        return found
 
     def blocks_needed_to_grow(self, req_id: RequestId, num_new_tokens: int) -> int:
         """Free blocks that `grow(req_id, num_new_tokens)` would take (copy-on-write included)."""
@@ -277,8 +329,41 @@ class KVCacheManager:
             self.pool.release(reversed(table.blocks))
 
     def confirm_cached(self) -> None:
-        """The step that fills the blocks cached since the last call has written their K/V."""
+        """The step that fills the blocks cached since the last call has written their K/V (write
+        through: those the tier lacks are sent to it by the next plan)."""
+        if self.tier is not None and self.write_through:
+            for block in self._unconfirmed:
+                if block.block_hash is not None:
+                    self._store(block.block_id, block.block_hash)
         self._unconfirmed.clear()
+
+    def offload(self, req_id: RequestId) -> None:
+        """Send the request's computed full blocks that the tier lacks to it (swap preemption:
+        call before `free`; the next plan copies them out before any step overwrites them)."""
+        if self.tier is None:
+            return
+        table = self._tables[req_id]
+        for i in range(table.num_offered):
+            self._store(table.block_ids[i], table.hashes[i])
+
+    def take_transfers(self) -> tuple[list[BlockStore], list[BlockLoad]]:
+        """The tier transfers a plan carries, to be done before its forward pass writes anything:
+        the stores first (a block evicted to the tier may be reused in the same step), then the
+        loads."""
+        for block_id, block_hash, hits in self.pool.evicted:
+            if hits >= self.offload_min_hits:
+                self._store(block_id, block_hash)
+        self.pool.evicted.clear()
+        stores, loads = self._stores, self._loads
+        self._stores, self._loads = [], []
+        self._storing.clear()
+        return stores, loads
+
+    def _store(self, block_id: int, block_hash: bytes) -> None:
+        if block_hash not in self.tier and block_hash not in self._storing:
+            self._storing.add(block_hash)
+            self._stores.append((block_id, block_hash))
+            self.offload_stored_blocks += 1
 
     def discard_unconfirmed(self) -> None:
         """That step failed: the blocks cached since the last `confirm_cached()` may hold
@@ -334,4 +419,7 @@ class KVCacheManager:
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             cow_copies=self.cow_copies,
+            offload_hits=self.offload_hits,
+            offload_stored_blocks=self.offload_stored_blocks,
+            offload_loaded_blocks=self.offload_loaded_blocks,
         )

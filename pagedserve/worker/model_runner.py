@@ -22,6 +22,8 @@ from pagedserve.kv import BlockCopy
 from pagedserve.kv.sizes import cdiv
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.sharding import kv_heads_per_rank
+from pagedserve.offload import transfer
+from pagedserve.offload.file_tier import FORMAT_VERSION, FileTier, model_files_identity
 from pagedserve.ops import cpu_linear
 from pagedserve.worker.block_table_rows import BlockTableRows
 from pagedserve.worker.cpu_graphs import CpuDecodeGraph
@@ -79,12 +81,37 @@ class ModelRunner:
         # calculate_kv_scales (EngineConfig allows it with fp8 only): the first real step sets every layer's scales.
         self.calibrate_kv_scales = config.calculate_kv_scales
         self._fast_paths: dict[str, str | None] | None = None  # decided with the decode replays
+        self.kv_tier: FileTier | None = None  # the KV tier behind the pool (kv_offload_dir)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
         kv_heads = kv_heads_per_rank(c.num_kv_heads, self.config.tensor_parallel_size)  # this rank's
         self.kv_caches = allocate_kv_cache(c.num_layers, num_blocks, self.block_size, kv_heads, c.head_dim,
                                            self.config.kv_torch_dtype, self.device)
+
+    def open_kv_tier(self) -> FileTier | None:
+        """The file tier of kv_offload_dir, for this pool's layout (None when it is not set). Its
+        namespace names the model's files, the dtypes and the layout, so that no other model or
+        format reads its blocks."""
+        config, c = self.config, self.model_config
+        if config.kv_offload_dir is None:
+            return None
+        from pagedserve.models.loader import resolve_model_path
+
+        identity = {"format": FORMAT_VERSION, "model": model_files_identity(resolve_model_path(config.model)),
+                    "quantization": config.quantization, "dtype": config.dtype,
+                    "kv_dtype": str(config.kv_torch_dtype), "block_size": self.block_size,
+                    "layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+        self.kv_tier = FileTier(config.kv_offload_dir, config.kv_offload_bytes, identity,
+                                transfer.block_bytes(self.kv_caches))
+        return self.kv_tier
+
+    def transfer_blocks(self, stores: list[tuple[int, bytes]], loads: list[tuple[int, torch.Tensor]]) -> None:
+        """The KV tier's transfers: copy out the stored blocks, then fill the loaded ones."""
+        if stores:
+            self.kv_tier.put([h for _, h in stores], transfer.gather_blocks(self.kv_caches, [b for b, _ in stores]))
+        if loads:
+            transfer.scatter_blocks(self.kv_caches, [b for b, _ in loads], [p for _, p in loads])
 
     @torch.inference_mode()
     def measure_kv_budget(self, max_model_len: int) -> int:
@@ -204,6 +231,8 @@ class ModelRunner:
         request listed in `sample_rows` (indices into plan.requests; repeats allowed); then, for
         each (row, first, count) of `prompt_spans`, `count` rows: the row's scheduled tokens from
         its `first` on (for prompt logprobs). Only these tokens go through the LM head."""
+        if plan.kv_stores or plan.kv_loads:
+            self.transfer_blocks(plan.kv_stores, plan.kv_loads)
         return self.run(self.prepare(plan, sample_rows, prompt_spans))
 
     def prepare(self, plan: SchedulerOutput, sample_rows: list[int],
