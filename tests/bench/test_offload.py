@@ -18,7 +18,7 @@ TINY = dict(sessions=3, turns=2, system_prompt_len=16, user_len=8, answer_len=4,
             swap_requests=6, swap_prompt_len=8, swap_output_len=16, swap_max_num_seqs=4, swap_blocks=4)
 ROW_KEYS = {"system", "seconds", "seconds_median", "identical", "tier_bytes", "settings", "prefix_cache_queries",
             "prefix_cache_hits", "prefix_hit_rate", "preemptions", "kv_offload_hit_tokens",
-            "kv_offload_stored_blocks", "kv_offload_loaded_blocks", "tier_reported"}
+            "kv_offload_stored_blocks", "kv_offload_loaded_blocks"}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,7 @@ def test_every_part_runs_with_identical_outputs_and_leaves_no_tier_behind(report
     result, root = report
     assert result["parts"] == ["multiturn", "noreuse", "restart", "swap"]
     assert result["all_identical"] is True
+    assert result["tier_active"] is True  # the tier's settings reached the engines
     assert list(root.iterdir()) == []  # each tier's temporary directory was removed
     json.dumps(result)  # the --json report is plain data
 
@@ -56,6 +57,8 @@ def test_multiturn_rows(report):
     assert rows[1]["settings"]["kv_offload_dir"] == "<temporary directory>"
     assert rows[2]["settings"]["kv_offload_policy"] == "evicted"
     assert rows[0]["ttft_ratio"] == 1.0
+    assert rows[0]["kv_offload_stored_blocks"] == rows[0]["kv_offload_hit_tokens"] == 0
+    assert all(r["kv_offload_stored_blocks"] > 0 for r in rows[1:])
     # The pool holds a quarter of the sessions' final contexts, and at least two sessions at once.
     assert mt["pool"]["max_model_len"] == 16 + 2 * 8 + 2 * 4
     assert mt["pool"]["num_kv_blocks"] * 16 >= 2 * mt["pool"]["max_model_len"]
@@ -75,7 +78,8 @@ def test_noreuse_swap_and_restart_rows(report):
     assert swap[1]["settings"]["preemption_mode"] == "swap" and "preemption_mode" not in swap[0]["settings"]
     assert restart["identical"] is True and restart["prompt_tokens"] == 52
     assert restart["base_ttft_s"] > 0 and restart["tier_ttft_s"] > 0 and restart["ttft_ratio"] > 0
-    assert 0 <= restart["num_cached_tokens"] <= 52
+    assert restart["num_cached_tokens"] == restart["kv_offload_hit_tokens"] == 48  # the system prompt's 3 blocks
+    assert noreuse[0]["kv_offload_stored_blocks"] == 0 and noreuse[1]["kv_offload_stored_blocks"] > 0
 
 
 def test_the_report_shows_every_part(report, tmp_path):
@@ -87,8 +91,11 @@ def test_the_report_shows_every_part(report, tmp_path):
     assert "new engine in the same process" in table and "page cache" in table
     assert "target >= 2x" in table and "target <= 1.05x" in table and "target >= 3x" in table
     assert "identical with and without the tier: yes" in table
-    if not result["tier_reported"]:
-        assert "does not have the tier wired" in table
+    assert "the tier did nothing" not in table
+    result = json.loads(json.dumps(result))
+    for row in result["multiturn"]["rows"] + result["noreuse"]["rows"] + result["swap"]["rows"] + [result["restart"]]:
+        row["kv_offload_stored_blocks"] = row["kv_offload_loaded_blocks"] = 0
+    assert "the tier did nothing" in markdown_table(result | {"tier_active": False})
     plot(result, str(tmp_path / "offload.png"))
     assert (tmp_path / "offload.png").stat().st_size > 5000
 
