@@ -134,6 +134,92 @@ def single_request(prompt_len: int = 128, output_len: int = 128, seed: int = 0,
     return Workload("single-request", [WorkloadRequest(_random_tokens(rng, prompt_len, vocab), output_len)])
 
 
+
+# ---- multi-turn chat -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatSession:
+    """One conversation: a system prompt, then a user message per turn. The answers are not part of
+    the workload: the engine produces them, and each is appended to the context before the next turn."""
+    system_prompt: list[int]
+    user_messages: list[list[int]]
+
+
+@dataclass(frozen=True)
+class MultiTurnWorkload:
+    name: str
+    sessions: list[ChatSession]
+    answer_len: int  # forced: every answer is exactly this many tokens (ignore_eos, greedy)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.sessions[0].user_messages) if self.sessions else 0
+
+    def prompt(self, session: int, turn: int, answers: list[list[int]]) -> list[int]:
+        """The prompt of `session`'s turn `turn` (0-based): its system prompt, then each earlier
+        turn's user message and answer (`answers`, the engine's, in order), then this turn's message."""
+        s = self.sessions[session]
+        if len(answers) < turn:
+            raise ValueError(f"turn {turn} needs the {turn} earlier answers, got {len(answers)}")
+        ids = list(s.system_prompt)
+        for message, answer in zip(s.user_messages[:turn], answers[:turn]):
+            ids += message + list(answer)
+        return ids + s.user_messages[turn]
+
+    def prompt_len(self, session: int, turn: int) -> int:
+        """The length of that prompt when every earlier answer has answer_len tokens."""
+        s = self.sessions[session]
+        return len(s.system_prompt) + sum(len(m) for m in s.user_messages[:turn + 1]) + turn * self.answer_len
+
+    def context_len(self, session: int) -> int:
+        """The session's whole context after its last answer: the most KV it ever holds."""
+        return self.prompt_len(session, self.num_turns - 1) + self.answer_len
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens over every turn of every session (each turn's prompt holds the whole context)."""
+        return sum(self.prompt_len(s, t) for s in range(len(self.sessions)) for t in range(self.num_turns))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.sessions) * self.num_turns * self.answer_len
+
+    def describe(self) -> str:
+        shared = len({tuple(s.system_prompt) for s in self.sessions}) == 1 < len(self.sessions)
+        return (f"{self.name}: {len(self.sessions)} sessions x {self.num_turns} turns, system prompt "
+                f"{len(self.sessions[0].system_prompt)} tokens ({'shared' if shared else 'one per session'}), "
+                f"user messages {len(self.sessions[0].user_messages[0])} tokens, answers {self.answer_len} "
+                f"tokens; final context {max(self.context_len(s) for s in range(len(self.sessions))):,} tokens per "
+                f"session; {self.num_prompt_tokens:,} prompt + {self.num_output_tokens:,} output tokens in all")
+
+
+def multi_turn_chat(num_sessions: int = 8, num_turns: int = 4, system_prompt_len: int = 512, user_len: int = 64,
+                    answer_len: int = 32, shared_system_prompt: bool = False, seed: int = 0,
+                    vocab: range | list[int] = range(100, 49000)) -> MultiTurnWorkload:
+    """Chat sessions whose context grows turn by turn: each starts with a system prompt (one per
+    session, or one shared by all), and each turn adds a user message of `user_len` random ids and
+    an answer of `answer_len` tokens that the engine generates. Build each turn's prompt with
+    `MultiTurnWorkload.prompt`."""
+    if min(num_sessions, num_turns, user_len, answer_len) < 1 or system_prompt_len < 0:
+        raise ValueError("num_sessions, num_turns, user_len and answer_len must be >= 1, system_prompt_len >= 0")
+    rng = random.Random(seed)
+    shared = _random_tokens(rng, system_prompt_len, vocab) if shared_system_prompt else None
+    sessions = []
+    for _ in range(num_sessions):
+        system = shared if shared is not None else _random_tokens(rng, system_prompt_len, vocab)
+        sessions.append(ChatSession(list(system), [_random_tokens(rng, user_len, vocab) for _ in range(num_turns)]))
+    return MultiTurnWorkload("multi-turn-chat", sessions, answer_len)
+
+
+def unique_prompts(num_requests: int = 32, seed: int = 0, prompt_len=(256, 512), output_len: int = 64,
+                   vocab: range | list[int] = range(100, 49000)) -> Workload:
+    """Prompts of uniform random length in `prompt_len`, no two sharing a prefix block (random ids),
+    each generating exactly `output_len` tokens: nothing for a cache to reuse."""
+    rng = random.Random(seed)
+    return Workload("unique-prompts", [WorkloadRequest(_random_tokens(rng, rng.randint(*prompt_len), vocab), output_len)
+                                       for _ in range(num_requests)])
+
 # ---- outputs that copy their inputs ----------------------------------------------------------
 
 COPY_TEXTS = [

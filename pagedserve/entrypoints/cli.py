@@ -467,6 +467,29 @@ def cmd_bench_spec(args: argparse.Namespace) -> None:
         sys.exit("error: greedy outputs with speculation differ from those without")
 
 
+def cmd_bench_offload(args: argparse.Namespace) -> None:
+    from pagedserve.bench.offload import markdown_table, plot, run_offload_bench
+
+    report = run_offload_bench(
+        parts=tuple(p for p in args.parts.split(",") if p), sessions=args.sessions, turns=args.turns,
+        system_prompt_len=args.system_prompt_len, user_len=args.user_len, answer_len=args.answer_len,
+        shared_system_prompt=args.shared_system_prompt, concurrency=args.concurrency, pool_ratio=args.pool_ratio,
+        policies=tuple(p for p in args.policies.split(",") if p), noreuse_requests=args.noreuse_requests,
+        noreuse_prompt_len=(args.noreuse_min_prompt_len, args.noreuse_max_prompt_len),
+        noreuse_output_len=args.noreuse_output_len, restart_prefix_len=args.restart_prefix_len,
+        restart_question_len=args.restart_question_len, restart_output_len=args.restart_output_len,
+        restart_reps=args.restart_reps, swap_requests=args.swap_requests, swap_prompt_len=args.swap_prompt_len,
+        swap_output_len=args.swap_output_len, swap_max_num_seqs=args.swap_max_num_seqs, swap_blocks=args.swap_blocks,
+        reps=args.reps, seed=args.seed, offload_root=args.offload_root, offload_bytes=args.offload_bytes)
+    table = markdown_table(report)
+    print(table)
+    save_report(args.out_dir, "bench_offload", table, None, args.json, report)
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    if not report["all_identical"]:
+        sys.exit("error: greedy outputs with the KV tier differ from those without")
+
 def cmd_export_hf(args: argparse.Namespace) -> None:
     """Write the embedded GGUF model as a Hugging Face directory (float32 safetensors + tokenizer),
     for systems that want one (vLLM)."""
@@ -764,6 +787,50 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--plot", default=None, help="write the figure (ratios and the cost curve) here")
     spec.add_argument("--json", default=None)
     spec.set_defaults(func=cmd_bench_spec)
+
+    off = bench.add_parser("offload", help="the KV offload tier (kv_offload_dir) against the engine without it: "
+                           "multi-turn TTFT, the cost without reuse, a restart, preemption by swap")
+    off.add_argument("--parts", default="multiturn,noreuse,restart,swap",
+                     help="comma list of multiturn (interleaved chat sessions whose contexts outgrow the pool), "
+                     "noreuse (unique prompts: the cost of writing), restart (a new engine on the same tier "
+                     "directory), swap (preemption_mode swap vs recompute)")
+    off.add_argument("--sessions", type=positive(int), default=8, help="multiturn: chat sessions")
+    off.add_argument("--turns", type=positive(int), default=4, help="multiturn: turns per session")
+    off.add_argument("--system-prompt-len", type=int, default=512, help="multiturn: system prompt tokens")
+    off.add_argument("--user-len", type=positive(int), default=64, help="multiturn: tokens per user message")
+    off.add_argument("--answer-len", type=positive(int), default=32, help="multiturn: tokens per answer")
+    off.add_argument("--shared-system-prompt", action="store_true",
+                     help="multiturn: one system prompt for every session (default: one each)")
+    off.add_argument("--concurrency", type=positive(int), default=2, help="multiturn: sessions per generate call")
+    off.add_argument("--pool-ratio", type=positive(float), default=4.0,
+                     help="multiturn: the sessions' final contexts / the KV pool")
+    off.add_argument("--policies", default="write_through,evicted",
+                     help="multiturn: the kv_offload_policy of each tier row, a comma list of write_through, evicted")
+    off.add_argument("--noreuse-requests", type=positive(int), default=32)
+    off.add_argument("--noreuse-min-prompt-len", type=positive(int), default=256)
+    off.add_argument("--noreuse-max-prompt-len", type=positive(int), default=512)
+    off.add_argument("--noreuse-output-len", type=positive(int), default=64)
+    off.add_argument("--restart-prefix-len", type=positive(int), default=2000, help="restart: system prompt tokens")
+    off.add_argument("--restart-question-len", type=positive(int), default=16)
+    off.add_argument("--restart-output-len", type=positive(int), default=4)
+    off.add_argument("--restart-reps", type=positive(int), default=3, help="restart: repetitions (median)")
+    off.add_argument("--swap-requests", type=positive(int), default=32)
+    off.add_argument("--swap-prompt-len", type=positive(int), default=64)
+    off.add_argument("--swap-output-len", type=positive(int), default=128)
+    off.add_argument("--swap-max-num-seqs", type=positive(int), default=16)
+    off.add_argument("--swap-blocks", type=positive(int), default=None,
+                     help="swap: KV pool blocks (default: half of what max_num_seqs requests hold at their longest)")
+    off.add_argument("--reps", type=positive(int), default=2,
+                     help="repetitions of multiturn, noreuse and swap, configurations taking turns (medians)")
+    off.add_argument("--seed", type=int, default=0)
+    off.add_argument("--offload-root", default=None,
+                     help="where each tier's temporary directory is made (default: the system's temporary directory)")
+    off.add_argument("--offload-bytes", type=positive(int), default=None,
+                     help="kv_offload_bytes of every tier (default: the engine's)")
+    off.add_argument("--out-dir", default=None, help="write bench_offload.md here")
+    off.add_argument("--plot", default=None, help="write the figure (one panel per part) here")
+    off.add_argument("--json", default=None)
+    off.set_defaults(func=cmd_bench_offload)
 
     worker = sub.add_parser(
         "worker", help="a tensor-parallel rank > 0 for an engine on another machine (env:// rendezvous)",

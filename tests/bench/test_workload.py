@@ -76,3 +76,45 @@ def test_a_fixed_output_length_keeps_the_prompts():
     assert prompts_alone.num_output_tokens == 16 and prompts_alone.name == "sharegpt-like-out1"
     with pytest.raises(ValueError, match="at least 1"):
         base.with_output_len(0)
+
+
+def test_multi_turn_chat_is_seeded_and_shaped():
+    from pagedserve.bench.workload import multi_turn_chat
+
+    w = multi_turn_chat(num_sessions=3, num_turns=4, system_prompt_len=20, user_len=5, answer_len=7, seed=1)
+    assert w == multi_turn_chat(3, 4, 20, 5, 7, seed=1) and w != multi_turn_chat(3, 4, 20, 5, 7, seed=2)
+    assert len(w.sessions) == 3 and w.num_turns == 4 and w.answer_len == 7
+    assert all(len(s.system_prompt) == 20 and [len(m) for m in s.user_messages] == [5] * 4 for s in w.sessions)
+    assert all(100 <= t < 49000 for s in w.sessions for t in s.system_prompt + sum(s.user_messages, []))
+    assert len({tuple(s.system_prompt) for s in w.sessions}) == 3  # by default each session its own
+    shared = multi_turn_chat(3, 4, 20, 5, 7, shared_system_prompt=True, seed=1)
+    assert len({tuple(s.system_prompt) for s in shared.sessions}) == 1
+    assert len({tuple(s.user_messages[0]) for s in shared.sessions}) == 3
+    assert "3 sessions x 4 turns" in w.describe() and "shared" in shared.describe()
+
+
+def test_multi_turn_prompts_hold_the_whole_context_so_far():
+    from pagedserve.bench.workload import multi_turn_chat
+
+    w = multi_turn_chat(num_sessions=2, num_turns=3, system_prompt_len=4, user_len=2, answer_len=3, seed=0)
+    s = w.sessions[1]
+    answers = [[1, 2, 3], [4, 5, 6]]
+    assert w.prompt(1, 0, []) == s.system_prompt + s.user_messages[0]
+    assert w.prompt(1, 2, answers) == (s.system_prompt + s.user_messages[0] + answers[0] + s.user_messages[1]
+                                       + answers[1] + s.user_messages[2])
+    assert [len(w.prompt(1, t, answers)) for t in range(3)] == [w.prompt_len(1, t) for t in range(3)] == [6, 11, 16]
+    assert w.context_len(1) == 19
+    assert w.num_prompt_tokens == 2 * (6 + 11 + 16) and w.num_output_tokens == 2 * 3 * 3
+    with pytest.raises(ValueError, match="earlier answers"):
+        w.prompt(0, 2, answers[:1])
+    with pytest.raises(ValueError):
+        multi_turn_chat(num_sessions=0)
+
+
+def test_unique_prompts_share_no_prefix():
+    from pagedserve.bench.workload import unique_prompts
+
+    w = unique_prompts(10, seed=1, prompt_len=(32, 48), output_len=8)
+    assert w == unique_prompts(10, seed=1, prompt_len=(32, 48), output_len=8)
+    assert all(32 <= len(r.prompt_token_ids) <= 48 and r.output_len == 8 for r in w.requests)
+    assert len({tuple(r.prompt_token_ids[:16]) for r in w.requests}) == 10
