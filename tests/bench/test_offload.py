@@ -68,7 +68,7 @@ def test_noreuse_swap_and_restart_rows(report):
     result = report[0]
     noreuse, swap, restart = result["noreuse"]["rows"], result["swap"]["rows"], result["restart"]
     assert [r["system"] for r in noreuse] == [OFF, "write_through"]
-    assert [r["system"] for r in swap] == ["recompute (no tier)", "swap"]
+    assert [r["system"] for r in swap] == ["recompute (no tier)", "swap", "swap + write-through"]
     for r in noreuse + swap:
         assert ROW_KEYS | {"total_tps", "output_tps", "seconds_ratio"} <= set(r)
         assert r["total_tps"] > 0 and r["seconds_ratio"] > 0
