@@ -265,21 +265,20 @@ class _CoreCounters:
     """The counters a core keeps (they restart from zero with a new core)."""
 
     num_preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    cow_copies: int = 0
+    kv: dict[str, int] = dataclasses.field(default_factory=dict)  # KVCacheStats' counters, by name
     spec: SpecDecodeStats | None = None
+
+    KV_COUNTERS = ("prefix_queries", "prefix_hits", "cow_copies", "offload_hits", "offload_stored_blocks",
+                   "offload_loaded_blocks")
 
     @staticmethod
     def of(stats: EngineStatsSnapshot) -> _CoreCounters:
         """The counters as last published (those of every core so far)."""
-        return _CoreCounters(stats.num_preemptions, stats.kv.prefix_queries, stats.kv.prefix_hits,
-                             stats.kv.cow_copies, stats.spec)
+        return _CoreCounters(stats.num_preemptions, {k: getattr(stats.kv, k) for k in _CoreCounters.KV_COUNTERS},
+                             stats.spec)
 
     def add_to(self, stats: EngineStatsSnapshot) -> EngineStatsSnapshot:
-        kv = dataclasses.replace(stats.kv, prefix_queries=stats.kv.prefix_queries + self.prefix_queries,
-                                 prefix_hits=stats.kv.prefix_hits + self.prefix_hits,
-                                 cow_copies=stats.kv.cow_copies + self.cow_copies)
+        kv = dataclasses.replace(stats.kv, **{k: getattr(stats.kv, k) + v for k, v in self.kv.items()})
         spec = stats.spec.plus(self.spec) if stats.spec is not None else self.spec
         return dataclasses.replace(stats, kv=kv, num_preemptions=stats.num_preemptions + self.num_preemptions,
                                    spec=spec)

@@ -58,7 +58,14 @@ class EngineCollector(Collector):
                      lambda s: s.kv.prefix_queries)
         yield family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                      lambda s: s.kv.prefix_hits)
-        yield family(CounterMetricFamily, "vllm:num_preemptions", "Sequences preempted (to be recomputed).",
+        yield family(CounterMetricFamily, "pagedserve:kv_offload_hits",
+                     "Prompt tokens read from the KV tier (counted in vllm:prefix_cache_hits too).",
+                     lambda s: s.kv.offload_hits)
+        yield family(CounterMetricFamily, "pagedserve:kv_offload_stored_blocks", "KV blocks sent to the KV tier.",
+                     lambda s: s.kv.offload_stored_blocks)
+        yield family(CounterMetricFamily, "pagedserve:kv_offload_loaded_blocks", "KV blocks read back from the KV tier.",
+                     lambda s: s.kv.offload_loaded_blocks)
+        yield family(CounterMetricFamily, "vllm:num_preemptions", "Sequences preempted (recomputed or swapped).",
                      lambda s: s.num_preemptions)
         yield family(CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens computed.",
                      lambda s: s.num_prompt_tokens)

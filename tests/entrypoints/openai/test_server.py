@@ -304,7 +304,9 @@ def test_metrics_parse_and_move(server):
                  "vllm:time_to_first_token_seconds_count", "vllm:request_time_per_output_token_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
                  "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
-                 "vllm:request_inference_time_seconds_count", "vllm:request_success_total:stop"]:
+                 "vllm:request_inference_time_seconds_count", "vllm:request_success_total:stop",
+                 "pagedserve:kv_offload_hits_total", "pagedserve:kv_offload_stored_blocks_total",
+                 "pagedserve:kv_offload_loaded_blocks_total"]:
         assert name in before
     prompt = "A prompt long enough to fill two blocks of sixteen tokens, so that the second time it is sent the " \
              "prefix cache has something to give back."
