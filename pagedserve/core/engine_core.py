@@ -531,6 +531,9 @@ class EngineCore:
         forgotten) and fail only those requests. Returns (a result to commit, or None; the
         requests to fail with their messages)."""
         logger.warning("engine step failed (%r); running it again to find the request at fault", error)
+        # The first try copied the blocks going to the KV tier, or lost them: once its forward pass
+        # has run, a block evicted in this plan may hold another request's K/V, so no retry copies it.
+        plan.kv_stores = []
         self._restore_generators(states)
         try:
             return self._compute(plan, *self._samplers(plan)), []

@@ -457,14 +457,19 @@ def cmd_bench_spec(args: argparse.Namespace) -> None:
                             sharegpt_requests=args.sharegpt_requests, max_tokens=args.max_tokens, batch=args.batch,
                             batch_requests=args.batch_requests, seed=args.seed, parts=parts,
                             serving_requests=args.serving_requests, serving_rate=args.serving_rate)
-    table = markdown_table(report)
+    report_identical_outputs(args, "bench_spec", markdown_table(report), plot, report, "speculation")
+
+
+def report_identical_outputs(args: argparse.Namespace, name: str, table: str, plot, report: dict, feature: str) -> None:
+    """Print and save a bench's table (and its plot, if asked); exit non-zero when greedy outputs
+    with `feature` differ from those without."""
     print(table)
-    save_report(args.out_dir, "bench_spec", table, None, args.json, report)
+    save_report(args.out_dir, name, table, None, args.json, report)
     if args.plot:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
     if not report["all_identical"]:
-        sys.exit("error: greedy outputs with speculation differ from those without")
+        sys.exit(f"error: greedy outputs with {feature} differ from those without")
 
 
 def cmd_bench_offload(args: argparse.Namespace) -> None:
@@ -481,14 +486,8 @@ def cmd_bench_offload(args: argparse.Namespace) -> None:
         restart_reps=args.restart_reps, swap_requests=args.swap_requests, swap_prompt_len=args.swap_prompt_len,
         swap_output_len=args.swap_output_len, swap_max_num_seqs=args.swap_max_num_seqs, swap_blocks=args.swap_blocks,
         reps=args.reps, seed=args.seed, offload_root=args.offload_root, offload_bytes=args.offload_bytes)
-    table = markdown_table(report)
-    print(table)
-    save_report(args.out_dir, "bench_offload", table, None, args.json, report)
-    if args.plot:
-        plot(report, args.plot)
-        print(f"wrote {args.plot}")
-    if not report["all_identical"]:
-        sys.exit("error: greedy outputs with the KV tier differ from those without")
+    report_identical_outputs(args, "bench_offload", markdown_table(report), plot, report, "the KV tier")
+
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
     """Write the embedded GGUF model as a Hugging Face directory (float32 safetensors + tokenizer),
