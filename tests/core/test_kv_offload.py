@@ -149,3 +149,35 @@ def test_an_unusable_directory_costs_only_the_speed_up(embedded_model, embedded_
     assert llm.get_metrics()["kv_offload_loaded_blocks"] == 0
     assert_all_free(llm)
     llm.shutdown()
+
+
+def test_a_retried_step_does_not_copy_its_evicted_blocks_again(embedded_model, embedded_tokenizer, expected,
+                                                               tmp_path):
+    """A step fails once after its forward pass has started: its retry must not copy the blocks it
+    evicted to the tier again (the first try may have written another request's K/V into them)."""
+    llm = make_llm(embedded_model, embedded_tokenizer, num_kv_blocks=30, max_model_len=100, kv_offload_dir=str(tmp_path),
+                   kv_offload_policy="evicted")
+    runner = llm.llm_engine.core.executor.runner
+    generate(llm, [SYSTEM + USERS[0]])  # its blocks stay cached in the pool
+    stores_per_try, failed = [], []
+    real_execute, real_run = runner.execute, runner.run
+
+    def execute(plan, *args):
+        stores_per_try.append(list(plan.kv_stores))
+        return real_execute(plan, *args)
+
+    def run_failing_once(inputs):
+        out = real_run(inputs)  # the forward pass has written its K/V
+        if stores_per_try[-1] and not failed:
+            failed.append(len(stores_per_try))
+            raise RuntimeError("injected fault after the forward pass")
+        return out
+
+    runner.execute, runner.run = execute, run_failing_once
+    other = [t + 1 for t in SYSTEM[:40]] + USERS[2]  # no shared prefix: it evicts the cached blocks
+    assert token_ids(generate(llm, [other])) == token_ids(generate(
+        make_llm(embedded_model, embedded_tokenizer, enable_prefix_caching=False), [other]))
+    (first_try,) = failed
+    assert stores_per_try[first_try] == []  # the retry: the evicted blocks were copied by the first try only
+    assert_all_free(llm)
+    llm.shutdown()
