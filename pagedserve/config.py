@@ -23,7 +23,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXECUTOR_BACKENDS = ("auto", "mp", "external")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_OFFLOAD_POLICIES = ("write_through", "evicted")
-PREEMPTION_MODES = ("recompute", "swap")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 DEFAULT_KV_OFFLOAD_BYTES = 16 << 30  # 16 GiB of files: ~350k tokens of the embedded model in float32
 
 
@@ -181,9 +181,9 @@ class EngineConfig:
         KV_OFFLOAD_POLICIES)
     kv_offload_min_hits: int = _setting(0, "kv_offload_policy=evicted: the prefix-cache hits a block needs to be kept")
     preemption_mode: str = _setting(
-        "recompute", "what a preempted request loses: recompute (its blocks are freed and computed again) or swap "
-        "(its full blocks are written to the KV tier and read back when it resumes; needs --kv-offload-dir)",
-        PREEMPTION_MODES)
+        "auto", "what a preempted request loses: recompute (its blocks are freed and computed again), swap (its full "
+        "blocks are written to the KV tier and read back when it resumes; needs --kv-offload-dir) or auto (swap "
+        "with a KV tier, by the request's size; else recompute)", PREEMPTION_MODES)
 
     def __post_init__(self) -> None:
         import torch

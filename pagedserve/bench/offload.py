@@ -351,8 +351,8 @@ def restart_part(model, tokenizer, prefix_len: int, question_len: int, output_le
             "fill_ttft_s": statistics.median(fill_ttft),
             "base_ttft_s": statistics.median(base_ttft), "tier_ttft_s": statistics.median(tier_ttft),
             "base_ttfts": base_ttft, "tier_ttfts": tier_ttft, "ratios": ratios, "ttft_ratio": statistics.median(ratios),
-            "num_cached_tokens": min(cached), "prompt_tokens": prefix_len + question_len,
-            "tier_bytes": statistics.median(tier_bytes), "identical": identical, **_sum_counters(counters)}
+            "tier_bytes": statistics.median(tier_bytes), "identical": identical, **_sum_counters(counters),
+            "num_cached_tokens": min(cached), "prompt_tokens": prefix_len + question_len}  # per request
 
 
 def _warm_process(model, tokenizer, engine_kwargs: dict, vocab) -> None:
@@ -517,7 +517,8 @@ def markdown_table(report: dict) -> str:
                   "| same output |", "|---|---:|---:|---:|---:|---:|",
                   f"| without the tier | {rs['base_ttft_s'] * 1e3:.0f} | - | - | - | - |",
                   f"| with the tier (same D) | {rs['tier_ttft_s'] * 1e3:.0f} | {rs['num_cached_tokens']:,} of "
-                  f"{rs['prompt_tokens']:,} | {rs['kv_offload_hit_tokens']:,} | {rs['kv_offload_loaded_blocks']:,} | "
+                  f"{rs['prompt_tokens']:,} | {rs['kv_offload_hit_tokens'] // rs['reps']:,} | "
+                  f"{rs['kv_offload_loaded_blocks'] // rs['reps']:,} | "
                   f"{'yes' if rs['identical'] else 'NO'} |",
                   "", f"The engine that filled the tier: TTFT {rs['fill_ttft_s'] * 1e3:.0f} ms, "
                   f"{_mib(rs['tier_bytes'])} written. TTFT without the tier / with it: {rs['ttft_ratio']:.2f}x "

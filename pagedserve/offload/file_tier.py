@@ -282,7 +282,13 @@ class FileTier:
 
 
 def _write_loop(tier_ref: weakref.ref, jobs: queue.Queue) -> None:
-    """The writer thread: the tier's writes and deletions, in the order they were asked for."""
+    """The writer thread: the tier's writes and deletions, in the order they were asked for. It runs
+    at the lowest CPU priority (Linux: per thread), so that it takes the cores the steps leave idle
+    rather than slowing them; if it falls behind, stores past MAX_PENDING_BYTES are dropped."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
     while True:
         item = jobs.get()
         try:

@@ -1,5 +1,7 @@
 """The scheduler alone, over the real KV manager, with no model: plans, chunks, preemption."""
 
+import pytest
+
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.kv import KVCacheManager
@@ -162,3 +164,27 @@ def test_a_request_hashes_each_full_block_once_across_retries_preemption_and_gro
     assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == 16
     assert len(calls) == len(set(calls)) == len(a.block_hashes) + len(b.block_hashes)
     assert len(b.block_hashes) == 4
+
+
+class RecordingTier:
+    """A KV tier that holds nothing: only what is sent to it counts."""
+
+    def __contains__(self, block_hash):
+        return False
+
+    def read(self, hashes):
+        return []
+
+
+@pytest.mark.parametrize("mode, tier, swapped", [("auto", True, True), ("auto", False, False),
+                                                 ("recompute", True, False), ("swap", True, True)])
+def test_a_victim_is_swapped_by_the_mode_and_the_tier(mode, tier, swapped):
+    kv = KVCacheManager(5, 4, tier=RecordingTier() if tier else None, offload_policy="evicted")
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode=mode)
+    old, new = request("old", 8), request("new", 9, first_token=100)
+    s.add(old)
+    s.add(new)
+    run_step(s)  # 2 + 3 blocks: the pool is full
+    plan = s.schedule()  # old's 9th token needs a block: new is preempted
+    assert plan.preempted == [new]
+    assert [h for _, h in plan.kv_stores] == (new.block_hashes[:2] if swapped else [])
