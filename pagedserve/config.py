@@ -176,9 +176,9 @@ class EngineConfig:
         None, f"the KV tier's size bound; the least recently used blocks go first (default "
         f"{DEFAULT_KV_OFFLOAD_BYTES >> 30} GiB)")
     kv_offload_policy: str = _setting(
-        "write_through", "which blocks the KV tier receives: write_through (every full block once computed) or "
-        "evicted (a cached block as the pool evicts it, when hit at least --kv-offload-min-hits times)",
-        KV_OFFLOAD_POLICIES)
+        "evicted", "which blocks the KV tier receives: evicted (a cached block as the pool evicts it, or shuts "
+        "down, when hit at least --kv-offload-min-hits times) or write_through (every full block once computed: "
+        "nothing is lost to a crash, at the cost of writing blocks that are never read)", KV_OFFLOAD_POLICIES)
     kv_offload_min_hits: int = _setting(0, "kv_offload_policy=evicted: the prefix-cache hits a block needs to be kept")
     preemption_mode: str = _setting(
         "auto", "what a preempted request loses: recompute (its blocks are freed and computed again), swap (its full "

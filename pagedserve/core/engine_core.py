@@ -41,6 +41,8 @@ from pagedserve.structured_output.manager import GrammarJob, StructuredOutputMan
 
 logger = logging.getLogger(__name__)
 
+# Blocks copied to the KV tier at a time at shutdown: well under the tier's pending-memory bound.
+SHUTDOWN_STORE_BATCH = 64
 # How long an idle step waits for a grammar to compile before it returns (to read commands).
 GRAMMAR_POLL_SECONDS = 0.02
 
@@ -657,6 +659,16 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the executor's workers; the core runs no more steps."""
+        """Stop the executor's workers; the core runs no more steps. With a KV tier, the pool's cached
+        blocks it lacks are written to it first: a restart finds them."""
         self.structured_output.shutdown()
+        if self.kv.tier is not None and self._device_failure is None:
+            self.kv.offload_cached()
+            stores, _ = self.kv.take_transfers()
+            try:
+                for i in range(0, len(stores), SHUTDOWN_STORE_BATCH):  # each batch written before the next
+                    self.executor.transfer_blocks(stores[i : i + SHUTDOWN_STORE_BATCH], [])
+                    self.kv.tier.flush()
+            except Exception:
+                logger.exception("writing the pool's cached blocks to the KV tier failed; a restart computes them")
         self.executor.shutdown()

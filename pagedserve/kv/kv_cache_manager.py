@@ -11,9 +11,10 @@ the caller gets `None`, so the scheduler can preempt someone and try again.
 With a KV tier behind the pool (`tier`), the prefix cache reaches into it: a lookup that runs past
 the pool's cached blocks goes on in the tier, and the blocks found there are allocated and loaded
 (their payloads ride in the step's plan, `take_transfers`). Blocks reach the tier by the policy
-given: every full block once its step has computed it ("write_through"), or a cached block as the
-pool evicts it, when it was hit at least `offload_min_hits` times ("evicted"); and a preempted
-request's blocks on request (`offload`, swap preemption). The tier is duck-typed: `hash in tier`,
+given: a cached block as the pool evicts it, when it was hit at least `offload_min_hits` times
+("evicted"; `offload_cached` applies the same rule to every cached block at shutdown), or every
+full block once its step has computed it ("write_through"); and a preempted request's blocks on
+request (`offload`, swap preemption). The tier is duck-typed: `hash in tier`,
 and `tier.read(hashes)`, which returns the payloads of the leading blocks it holds intact.
 
 A request's prefix-cache hashes live in a list its caller owns and passes to `admit` (the
@@ -97,7 +98,7 @@ class _Table:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, *,
-                 tier: Any = None, offload_policy: str = "write_through", offload_min_hits: int = 0):
+                 tier: Any = None, offload_policy: str = "evicted", offload_min_hits: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if offload_policy not in ("write_through", "evicted"):
@@ -345,6 +346,15 @@ class KVCacheManager:
         table = self._tables[req_id]
         for i in range(table.num_offered):
             self._store(table.block_ids[i], table.hashes[i])
+
+    def offload_cached(self) -> None:
+        """Send every cached block the tier lacks to it, by the policy's rule for an evicted block
+        (hit at least `offload_min_hits` times): the pool is about to go away (shutdown)."""
+        if self.tier is None:
+            return
+        for block_hash, block in self.pool.cached.items():
+            if self.write_through or block.num_hits >= self.offload_min_hits:
+                self._store(block.block_id, block_hash)
 
     def take_transfers(self) -> tuple[list[BlockStore], list[BlockLoad]]:
         """The tier transfers a plan carries, to be done before its forward pass writes anything:

@@ -318,7 +318,7 @@ def test_an_admission_the_pool_cannot_cover_reads_nothing_and_changes_nothing():
 def test_write_through_sends_each_computed_block_the_tier_lacks_once_its_step_ran():
     prompt = list(range(9))
     hashes = chain(prompt)
-    m = KVCacheManager(num_blocks=8, block_size=4, tier=DictTier({hashes[1]: "already"}))
+    m = KVCacheManager(num_blocks=8, block_size=4, tier=DictTier({hashes[1]: "already"}), offload_policy="write_through")
     m.admit("A", prompt, read_cache=False)
     assert m.take_transfers() == ([], [])  # nothing is computed yet
     m.confirm_cached()
@@ -357,3 +357,14 @@ def test_swap_sends_the_victims_computed_full_blocks():
     m.offload("A")
     m.free("A")
     assert m.take_transfers() == ([(table[0], hashes[0]), (table[1], hashes[1])], [])
+
+
+def test_at_shutdown_the_cached_blocks_the_tier_lacks_go_to_it_by_the_evicted_rule():
+    m = KVCacheManager(num_blocks=8, block_size=4, tier=DictTier(), offload_min_hits=1)
+    cold, hot = list(range(5)), list(range(100, 105))
+    for name, prompt in (("cold", cold), ("hot", hot), ("hot again", hot)):
+        m.admit(name, prompt)
+        m.confirm_cached()
+        m.free(name)
+    m.offload_cached()
+    assert [h for _, h in m.take_transfers()[0]] == chain(hot)  # the cold block was never hit
