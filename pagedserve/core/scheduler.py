@@ -77,7 +77,7 @@ class SchedulerOutput:
 
 # preemption_mode "auto" swaps a victim holding at least this many computed full blocks (with a KV
 # tier), and recomputes a smaller one. `pagedserve bench offload` on the 2-core CPU: reading a block
-# back from the file tier costs about 1/15 of computing its 16 tokens, and swap gave 1.21x the
+# back from the file tier costs about 1/17 of computing its 16 tokens, and swap gave 1.16-1.21x the
 # output tokens/s of recompute under preemption, so every victim with a block worth reading is
 # swapped. Where prompts compute faster than blocks travel (a GPU's prefill against PCIe), raise it.
 SWAP_MIN_BLOCKS = 1

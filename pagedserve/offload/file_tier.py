@@ -85,6 +85,7 @@ class FileTier:
         self.num_dropped = 0  # not stored: too many writes pending
         self.num_corrupt = 0  # read back, failed the checks, dropped
         self.num_write_errors = 0
+        self._closed = False
         self.enabled = self._open()
         # The writer holds the tier weakly, so a dropped engine's tier is collected (and its thread
         # told to stop) even if nobody closed it.
@@ -125,7 +126,7 @@ class FileTier:
     def put(self, block_hashes: Sequence[bytes], payloads: Tensor) -> None:
         """Store block i's `payloads[i]` (uint8, [n, block_bytes], the tier's to keep) under
         `block_hashes[i]`; blocks the tier holds already are skipped."""
-        if not self.enabled:
+        if not self.enabled or self._closed:
             return
         for block_hash, payload in zip(block_hashes, payloads):
             with self._lock:
@@ -144,10 +145,12 @@ class FileTier:
 
     def flush(self) -> None:
         """Wait until every block put so far is written (or has failed)."""
-        self._queue.join()
+        if not self._closed:
+            self._queue.join()
 
     def close(self) -> None:
-        """Write what is pending and stop the writer (idempotent)."""
+        """Write what is pending and stop the writer (idempotent; the tier takes no block after it)."""
+        self._closed = True
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()

@@ -182,3 +182,13 @@ def test_stores_past_the_pending_bound_are_dropped(tmp_path):
 def test_too_small_a_bound_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds no block"):
         FileTier(str(tmp_path), HEADER.size + BLOCK_BYTES - 1, IDENTITY, BLOCK_BYTES)
+
+
+def test_a_closed_tier_takes_no_block_and_flush_returns(tmp_path):
+    t = tier(tmp_path)
+    t.put([h(1)], payloads(1))
+    t.close()
+    t.close()
+    t.put([h(2)], payloads(2))  # after close: nothing is queued for a writer that is gone
+    t.flush()
+    assert h(1) in t and h(2) not in t
