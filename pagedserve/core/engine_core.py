@@ -420,7 +420,7 @@ class EngineCore:
     def _commit(self, plan: SchedulerOutput, result: _StepResult) -> list[SampleOutput]:
         """Apply a computed step: the tokens are in the cache, forks start, tokens are appended."""
         self.scheduler.finish_step(plan)
-        if self.kv.tier is not None:
+        if self.kv.tier is not None and self.kv.write_through:
             self._write_through()
         for request, entries in result.prompt_logprobs:
             request.prompt_logprobs += entries

@@ -152,14 +152,21 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         hashes = [] if block_hashes is None else block_hashes
-        blocks: list[Block] = []
-        for i in range((len(token_ids) - 1) // self.block_size):
-            self._hash_blocks(hashes, token_ids, i + 1, extra_keys)  # lazily: a miss ends the walk
-            block = self.pool.lookup(hashes[i])
-            if block is None:
+        return self._leading_blocks(token_ids, extra_keys, hashes, 0, self.pool.lookup)
+
+    def _leading_blocks(self, token_ids: Sequence[int], extra_keys: object, hashes: list[bytes], start: int,
+                        find) -> list:
+        """`find(hash)` of each full block of `token_ids` from `start` on, up to the first it gives
+        None for, never reaching the block of the last token. Hashes are made lazily: a miss ends
+        the walk."""
+        found = []
+        for i in range(start, (len(token_ids) - 1) // self.block_size):
+            self._hash_blocks(hashes, token_ids, i + 1, extra_keys)
+            item = find(hashes[i])
+            if item is None:
                 break
-            blocks.append(block)
-        return blocks
+            found.append(item)
+        return found
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (e.g. between benchmark runs). False while any request
@@ -197,7 +204,8 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         hashes = [] if block_hashes is None else block_hashes
         hit = self.find_cached_prefix(token_ids, extra_keys, hashes) if read_cache else []
-        in_tier = self._tier_prefix(token_ids, extra_keys, hashes, len(hit)) if read_cache and self.tier else []
+        in_tier = self._leading_blocks(token_ids, extra_keys, hashes, len(hit),
+                                       lambda h: h if h in self.tier else None) if read_cache and self.tier else []
         num_revived = sum(1 for b in hit if b.ref_count == 0)
         if self._blocks_to_admit(len(token_ids), len(hit) + len(in_tier), num_new_tokens) - len(hit) \
                 + num_revived > self.pool.num_free:
@@ -228,17 +236,6 @@ class KVCacheManager:
         """The blocks a request of `num_tokens` tokens holds once admitted with this many cached."""
         num_cached = num_cached_blocks * self.block_size
         return cdiv(num_cached + min(num_tokens - num_cached, num_new_tokens or num_tokens), self.block_size)
-
-    def _tier_prefix(self, token_ids: Sequence[int], extra_keys: object, hashes: list[bytes], start: int) -> list[bytes]:
-        """The hashes of the blocks from `start` on that the tier holds, up to the first it lacks
-        (the last token left out, as in `find_cached_prefix`)."""
-        found = []
-        for i in range(start, (len(token_ids) - 1) // self.block_size):
-            self._hash_blocks(hashes, token_ids, i + 1, extra_keys)
-            if hashes[i] not in self.tier:
-                break
-            found.append(hashes[i])
-        return found
 
     def blocks_needed_to_grow(self, req_id: RequestId, num_new_tokens: int) -> int:
         """Free blocks that `grow(req_id, num_new_tokens)` would take (copy-on-write included)."""
@@ -331,7 +328,7 @@ class KVCacheManager:
 
     def confirm_cached(self) -> None:
         """The step that fills the blocks cached since the last call has written their K/V (write
-        through: those the tier lacks are sent to it by the next plan)."""
+        through: those the tier lacks are queued for it; the core copies them out at once)."""
         if self.tier is not None and self.write_through:
             for block in self._unconfirmed:
                 if block.block_hash is not None:
