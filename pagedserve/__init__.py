@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 
 def __getattr__(name: str):
@@ -19,6 +19,10 @@ def __getattr__(name: str):
         from pagedserve.sampling_params import BeamSearchParams
 
         return BeamSearchParams
+    if name == "LoRARequest":
+        from pagedserve.lora.request import LoRARequest
+
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from pagedserve import outputs
 

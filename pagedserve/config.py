@@ -184,6 +184,11 @@ class EngineConfig:
         "auto", "what a preempted request loses: recompute (its blocks are freed and computed again), swap (its full "
         "blocks are written to the KV tier and read back when it resumes; needs --kv-offload-dir) or auto (swap "
         "with a KV tier, by the request's size; else recompute)", PREEMPTION_MODES)
+    enable_lora: bool = _setting(False, "serve LoRA adapters: requests name one (LoRARequest; a server's --lora-modules)")
+    max_loras: int = _setting(1, "LoRA: the adapters one step may use, each in a slot of the model's")
+    max_lora_rank: int = _setting(16, "LoRA: the largest adapter rank served (the slots' size)")
+    max_cpu_loras: int | None = _setting(
+        None, "LoRA: the adapters kept loaded in host memory, ready to copy into a slot (default: max_loras)")
 
     def __post_init__(self) -> None:
         import torch
@@ -214,6 +219,20 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_kv_offload()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.speculative_config is not None and \
+                self.speculative_config.method == "draft_model":
+            raise ValueError("enable_lora cannot be used with a draft model: the draft would propose without the "
+                             "request's adapter")
 
     def _check_kv_offload(self) -> None:
         if self.kv_offload_policy not in KV_OFFLOAD_POLICIES:

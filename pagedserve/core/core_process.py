@@ -22,7 +22,7 @@ import zmq
 from pagedserve import heap
 from pagedserve.config import EngineConfig
 from pagedserve.core.messages import (AbortRequests, CoreCommand, CoreFailed, CoreReady, EngineCoreOutputs,
-                                             EngineCoreRequest, SampleOutput, Shutdown, StopSamples)
+                                             EngineCoreRequest, RemoveLoRA, SampleOutput, Shutdown, StopSamples)
 from pagedserve.executor.base import HEALTH_CHECK_INTERVAL, ExecutorFailed
 from pagedserve.lifetime import exit_with_parent
 
@@ -105,7 +105,7 @@ def ready_message(core) -> CoreReady:
 
 
 def apply_command(core, command: CoreCommand) -> list[SampleOutput]:
-    """Apply a request, abort or stop to the core: the error output of a request it failed to add."""
+    """Apply a request, abort, stop or adapter removal to the core: the error output of a request it failed to add."""
     if isinstance(command, EngineCoreRequest):
         try:
             core.add_request(command)
@@ -117,6 +117,8 @@ def apply_command(core, command: CoreCommand) -> list[SampleOutput]:
         core.abort_requests(command.request_ids)
     elif isinstance(command, StopSamples):
         core.stop_samples(command.samples)
+    elif isinstance(command, RemoveLoRA):
+        core.remove_lora(command.lora_int_id)
     return []
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable
-from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 
@@ -33,6 +33,8 @@ from pagedserve.core.speculation import Speculation
 from pagedserve.executor import make_executor
 from pagedserve.executor.base import Executor, ExecutorFailed
 from pagedserve.kv import KVCacheManager, KVCacheStats
+from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.weights import adapter_identity
 from pagedserve.models.loader import load_tokenizer
 from pagedserve.models.sharding import kv_heads_per_rank
 from pagedserve.ops import native
@@ -150,7 +152,7 @@ class EngineCore:
                                  tier=self.executor.kv_tier(), offload_policy=config.kv_offload_policy,
                                  offload_min_hits=config.kv_offload_min_hits)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode)
+                                   config.preemption_mode, config.max_loras if config.enable_lora else None)
         self.sampler = Sampler(seed=config.seed)
         self.token_counts = TokenCounts(model_config.vocab_size, config.device)
         self.eos_token_ids = set(model_config.eos_token_ids) | set(eos_token_ids)
@@ -159,6 +161,8 @@ class EngineCore:
             (lambda: tokenizer) if tokenizer is not None else (lambda: load_tokenizer(config.model)),
             config.grammar_compile_timeout)
         self._grammar_jobs: dict[str, GrammarJob] = {}  # user request id -> its grammar, compiling
+        self._adapter_jobs: dict[str, Future] = {}  # user request id -> its LoRA adapter, loading
+        self._adapters: dict[int, LoRARequest] = {}  # lora_int_id -> the adapter it stands for
         self.stats = EngineStats()
         self._groups: dict[str, list[Request]] = {}  # user request id -> its samples
         self._pending_forks: dict[Hashable, list[Request]] = {}  # first sample -> samples to fork
@@ -197,6 +201,10 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.verify_for_engine(self.vocab_size, self.scheduler.max_num_seqs, grammar=False)
         self.validate_prompt(token_ids)
+        adapter, cache_key = request.lora_request, None
+        if adapter is not None:
+            self._register_adapter(adapter)
+            cache_key = ("lora", adapter_identity(adapter.lora_path))
         samples = []
         for i in range(params.n):
             generator = None
@@ -204,10 +212,26 @@ class EngineCore:
                 # Each sample its own stream; the first uses the seed as given.
                 generator = torch.Generator(self.config.device).manual_seed((params.seed + i * 0x9E3779B1) % 2**63)
             samples.append(Request((request_id, i), token_ids, params, group_id=request_id, sample_index=i,
-                                   generator=generator))
+                                   generator=generator, lora_request=adapter, cache_key=cache_key))
         self._groups[request_id] = samples
         if len(samples) > 1:
             self._pending_forks[samples[0].request_id] = samples[1:]
+        if adapter is not None:
+            future = self.executor.prefetch_lora(adapter)
+            if not future.done():  # loaded off the step loop: the request joins once its adapter is in memory
+                self._adapter_jobs[request_id] = future
+                for sample in samples:
+                    sample.status = RequestStatus.WAITING_FOR_ADAPTER
+                return
+            if future.exception() is not None:
+                del self._groups[request_id]
+                self._pending_forks.pop(samples[0].request_id, None)
+                raise ValueError(str(future.exception()))
+        self._admit(samples)
+
+    def _admit(self, samples: list[Request]) -> None:
+        """Send a new request to the scheduler, or first to its grammar's compilation."""
+        params, request_id = samples[0].sampling_params, samples[0].group_id
         if params.structured_outputs is None:
             self.scheduler.add(samples[0])
             return
@@ -218,6 +242,37 @@ class EngineCore:
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         validate_prompt(token_ids, self.max_model_len, self.vocab_size)
+
+    def _register_adapter(self, adapter: LoRARequest) -> None:
+        """Note which adapter `adapter.lora_int_id` stands for. An id may be given to another
+        adapter only once no request in flight uses the first: the model's slot and the host
+        cache are keyed by it."""
+        if not self.config.enable_lora:
+            raise ValueError(f"this engine serves no LoRA adapters (request for {adapter.lora_name!r}): "
+                             "start it with enable_lora=True")
+        known = self._adapters.get(adapter.lora_int_id)
+        if known is None or known == adapter:
+            self._adapters[adapter.lora_int_id] = adapter
+            return
+        if any(s[0].lora_request == known for s in self._groups.values()):
+            raise ValueError(f"lora_int_id {adapter.lora_int_id} stands for adapter {known.lora_name!r} "
+                             f"({known.lora_path}) while its requests run; give {adapter.lora_name!r} another id")
+        self.remove_lora(adapter.lora_int_id)
+        self._adapters[adapter.lora_int_id] = adapter
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: its weights leave host memory and its slot. Requests in flight that use
+        it keep running with it (it is loaded again for them if need be). False if it was unknown."""
+        adapter = self._adapters.pop(lora_int_id, None)
+        if adapter is None:
+            return False
+        if not any(s[0].lora_request == adapter for s in self._groups.values()):
+            self.scheduler.lora_slots.forget(lora_int_id)
+            self.executor.remove_lora(lora_int_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self._adapters.values())
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stop requests at once, whatever their state, and free everything they hold."""
@@ -250,12 +305,13 @@ class EngineCore:
         if self._device_failure is not None:
             raise ExecutorFailed(self._device_failure)
         start = time.perf_counter()
-        resolved = self._resolve_grammars() if self._grammar_jobs else []
+        resolved = self._resolve_adapters() if self._adapter_jobs else []
+        resolved += self._resolve_grammars() if self._grammar_jobs else []
         plan = self.scheduler.schedule()
         if not plan.requests:
-            if self._grammar_jobs and not resolved:  # nothing else to do: wait a little rather than spin
-                wait_for_futures([job.future for job in self._grammar_jobs.values()], GRAMMAR_POLL_SECONDS,
-                                 FIRST_COMPLETED)
+            jobs = [job.future for job in self._grammar_jobs.values()] + list(self._adapter_jobs.values())
+            if jobs and not resolved:  # nothing else to do: wait a little rather than spin
+                wait_for_futures(jobs, GRAMMAR_POLL_SECONDS, FIRST_COMPLETED)
             return resolved
         self._record_usage()
         rows, samplers = self._samplers(plan)
@@ -308,6 +364,22 @@ class EngineCore:
                 sample.grammar = grammar
                 sample.status = RequestStatus.WAITING
             self.scheduler.add(samples[0])
+        return outputs
+
+    def _resolve_adapters(self) -> list[SampleOutput]:
+        """Admit the requests whose adapters have loaded; fail those whose adapters failed to."""
+        outputs = []
+        for request_id, future in list(self._adapter_jobs.items()):
+            if not future.done():
+                continue
+            del self._adapter_jobs[request_id]
+            samples = self._groups[request_id]
+            if future.exception() is not None:
+                outputs += self._fail(samples[0], str(future.exception()), "model")
+                continue
+            for sample in samples:
+                sample.status = RequestStatus.WAITING
+            self._admit(samples)
         return outputs
 
     def _samplers(self, plan: SchedulerOutput) -> tuple[list[int], list[Request]]:
@@ -596,8 +668,10 @@ class EngineCore:
         job = self._grammar_jobs.pop(samples[0].group_id, None) if samples else None
         if job is not None:
             job.future.cancel()  # unless it is compiling already: then its result only joins the cache
+        if samples:
+            self._adapter_jobs.pop(samples[0].group_id, None)  # the load goes on: other requests may want it
         for request in samples:
-            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            if request.status.unscheduled:
                 request.status = status  # never scheduled: it holds nothing
             elif not request.is_finished:
                 self.scheduler.finish(request, status)
@@ -633,7 +707,7 @@ class EngineCore:
     # ---- figures -------------------------------------------------------------------------
 
     def core_stats(self) -> CoreStats:
-        num_waiting = len(self.scheduler.waiting) + len(self._grammar_jobs)
+        num_waiting = len(self.scheduler.waiting) + len(self._grammar_jobs) + len(self._adapter_jobs)
         spec = None
         if self.speculation is not None:
             c = self.speculation.counters

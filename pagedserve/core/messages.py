@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedserve.kv import KVCacheStats
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -33,11 +35,17 @@ class StopSamples(msgspec.Struct, array_like=True, tag="stop"):
     samples: list[tuple[str, int]]
 
 
+class RemoveLoRA(msgspec.Struct, array_like=True, tag="remove_lora"):
+    """Forget an adapter: its weights leave host memory and the model's slot (`EngineCore.remove_lora`)."""
+
+    lora_int_id: int
+
+
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
     pass
 
 
-CoreCommand = EngineCoreRequest | AbortRequests | StopSamples | Shutdown
+CoreCommand = EngineCoreRequest | AbortRequests | StopSamples | RemoveLoRA | Shutdown
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

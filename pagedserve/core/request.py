@@ -13,12 +13,14 @@ if TYPE_CHECKING:
     import torch
 
     from pagedserve.core.messages import TokenLogprobs
+    from pagedserve.lora.request import LoRARequest
     from pagedserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # new, or preempted and waiting to be recomputed
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # new, its grammar compiling: not yet in the scheduler
+    WAITING_FOR_ADAPTER = "waiting_for_adapter"  # new, its LoRA adapter loading: not yet in the scheduler
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -27,7 +29,13 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING_FOR_ADAPTER,
+                            RequestStatus.RUNNING)
+
+    @property
+    def unscheduled(self) -> bool:
+        """Waiting for something before it joins the scheduler: it holds nothing."""
+        return self in (RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING_FOR_ADAPTER)
 
 
 class Request:
@@ -40,12 +48,18 @@ class Request:
         group_id: str | None = None,
         sample_index: int = 0,
         generator: torch.Generator | None = None,
+        lora_request: LoRARequest | None = None,
+        cache_key: object = None,
     ) -> None:
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id  # the user's request id
         self.sample_index = sample_index
         self.sampling_params = sampling_params
         self.generator = generator
+        self.lora_request = lora_request  # the adapter it runs with; None: the base model
+        # What its prefix-cache hashes mix in besides the tokens (its adapter's identity): K/V
+        # computed under one adapter is never served to another.
+        self.cache_key = cache_key
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)

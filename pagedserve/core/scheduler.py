@@ -7,7 +7,10 @@ Each step, under a token budget (`max_num_batched_tokens`) and a cap on running 
    (its blocks freed, itself sent back to the front of the queue to be recomputed later; when it
    is swapped, its full blocks are first sent to the KV tier, to be read back: `_swaps`);
 2. if nobody was preempted, waiting requests are admitted in arrival order while blocks,
-   budget and seats last; each may get its cached prefix for free and its first chunk.
+   budget and seats last; each may get its cached prefix for free and its first chunk. With LoRA,
+   the running requests use at most `max_loras` distinct adapters: a request whose adapter would
+   be one too many waits, and those behind it may go first;
+3. each request's adapter gets one of the model's slots (`lora/slots.py`).
 
 A request is computed up to all its known tokens; it produces a new token once the step that
 computes its last known token runs. Since max_model_len never exceeds the pool, a request
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.kv import BlockCopy, KVCacheManager
 from pagedserve.kv.kv_cache_manager import BlockLoad, BlockStore
+from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.slots import LoRASlots
 
 
 @dataclass
@@ -44,6 +49,10 @@ class SchedulerOutput:
     # step), then blocks to fill from the tier (`KVCacheManager.take_transfers`).
     kv_stores: list[BlockStore] = field(default_factory=list)
     kv_loads: list[BlockLoad] = field(default_factory=list)
+    # LoRA: per request the model's slot of its adapter (-1: the base model), and the (slot, adapter)
+    # loads to do before the forward pass.
+    lora_slots: list[int] = field(default_factory=list)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     freed: list[Hashable] = field(default_factory=list)  # ids whose blocks were freed since the last plan
     undone: bool = False  # the step failed and `Scheduler.undo_step` took it back
@@ -68,10 +77,12 @@ class SchedulerOutput:
         """The plan of these requests alone (every block copy and freed id kept: doing them again
         is harmless)."""
         part = SchedulerOutput(block_copies=self.block_copies, freed=self.freed, kv_stores=self.kv_stores,
-                               kv_loads=self.kv_loads)
+                               kv_loads=self.kv_loads, lora_loads=self.lora_loads)
         for i in rows:
             part.add(self.requests[i], self.num_new_tokens[i], self.new_block_ids[i], self.new_tables[i],
                      self.spec_token_ids[i])
+            if self.lora_slots:
+                part.lora_slots.append(self.lora_slots[i])
         return part
 
 
@@ -85,7 +96,9 @@ SWAP_MIN_BLOCKS = 1
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "auto") -> None:
+                 preemption_mode: str = "auto", max_loras: int | None = None) -> None:
+        """max_loras: with LoRA, the distinct adapters the running requests may use (the model's
+        slots); None: LoRA is off."""
         if preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'auto', 'recompute' or 'swap', got {preemption_mode!r}")
         self.kv = kv
@@ -97,6 +110,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._freed: list[Hashable] = []  # for the next plan
         self._new_to_runner: set[Hashable] = set()  # forked requests: their next plan sends the whole table
+        self.lora_slots = LoRASlots(max_loras) if max_loras is not None else None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -139,12 +153,18 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
 
+        adapters = self._running_adapters()
+        passed_over: list[Request] = []  # waiting behind the adapters already running
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+            if lora_id is not None and lora_id not in adapters and len(adapters) >= self.lora_slots.num_slots:
+                passed_over.append(self.waiting.popleft())
+                continue
             # A request still owed its prompt logprobs needs every prompt position's logits, which
             # cached blocks do not have: it skips the lookup (as vLLM does) and computes them all.
             num_cached = self.kv.admit(request.request_id, request.all_token_ids, num_new_tokens=budget,
-                                       block_hashes=request.block_hashes,
+                                       extra_keys=request.cache_key, block_hashes=request.block_hashes,
                                        read_cache=request.prompt_logprobs is None)
             if num_cached is None:
                 break  # not enough free blocks: keep arrival order, try again next step
@@ -155,11 +175,19 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora_id is not None:
+                adapters.add(lora_id)
             num_new = self.kv.num_tokens(request.request_id) - num_cached
             out.add(request, num_new, self.kv.block_ids(request.request_id), True)
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
         out.kv_stores, out.kv_loads = self.kv.take_transfers()
+        if self.lora_slots is not None:
+            out.lora_slots, out.lora_loads = self.lora_slots.assign([r.lora_request for r in out.requests])
         return out
+
+    def _running_adapters(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def finish_step(self, out: SchedulerOutput) -> None:
         """The step ran: the scheduled tokens now have their K/V in the cache."""
@@ -179,6 +207,8 @@ class Scheduler:
         preempted request is; the prefix cache still holds what earlier steps computed)."""
         self.kv.discard_unconfirmed()
         out.undone = True
+        for _, adapter in out.lora_loads:  # a failed step may have left its slot half written
+            self.lora_slots.forget(adapter.lora_int_id)
         self._freed += out.freed  # the runner may not have seen them
         for request in reversed(out.requests):
             self.running.remove(request)

@@ -28,11 +28,12 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.messages import CoreReady, CoreStats, EngineCoreOutputs, EngineCoreRequest, SpecDecodeStats
 from pagedserve.engine.core_client import (DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF, DEFAULT_START_TIMEOUT,
                                            EngineCoreClient, ProcessCoreClient, ThreadedCoreClient)
-from pagedserve.engine.input_processor import process_inputs
+from pagedserve.engine.input_processor import check_adapter, process_inputs
 from pagedserve.engine.llm_engine import LLMEngine, tokenizer_eos_ids
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineError, EngineStatsSnapshot, EngineUnavailable
 from pagedserve.engine.streams import RequestStream, RequestTracker
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -77,6 +78,7 @@ class AsyncLLM:
         # The counters of cores that were lost: a new core counts from zero, the figures go on from these.
         self._past_counters = _CoreCounters()
         self.stats: EngineStatsSnapshot | None = None
+        self._model_config = None  # read when an adapter is first checked
 
     @classmethod
     def from_llm_engine(cls, engine: LLMEngine, **kwargs) -> AsyncLLM:
@@ -141,6 +143,19 @@ class AsyncLLM:
         """Requests are in flight but the core has reported nothing for stall_timeout seconds."""
         return bool(self._tracker.entries) and time.monotonic() - self._progress_at > self.stall_timeout
 
+    def check_lora(self, adapter: LoRARequest) -> None:
+        """ValueError unless the engine can serve `adapter` (its config and tensor shapes against
+        the model's): a server checks an adapter once, when it is registered."""
+        if self._model_config is None:
+            from pagedserve.models.loader import load_config
+
+            self._model_config = load_config(self.config.model)
+        check_adapter(adapter, self.config, self._model_config)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """The core forgets the adapter (its host memory and slot)."""
+        self.client.remove_lora(lora_int_id)
+
     def health_problem(self) -> str | None:
         """Why the engine cannot serve now (for /health), or None when it can."""
         if self._stopping:
@@ -164,7 +179,8 @@ class AsyncLLM:
     # ---- requests (event loop) -----------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until it finishes. A request the engine refuses
         raises ValueError; an engine fault raises EngineError (EngineUnavailable while no core
         serves, or for the requests a lost core took with it). Leaving early (break and close, or
@@ -186,7 +202,7 @@ class AsyncLLM:
             self.output_processor.add_request(request_id, prompt_text, list(prompt), params, arrival)
             self._tracker.add(request_id, stream, params.n)
             try:
-                self.client.add_request(EngineCoreRequest(request_id, list(prompt), params))
+                self.client.add_request(EngineCoreRequest(request_id, list(prompt), params, lora_request))
             except EngineUnavailable:
                 self._tracker.entries.pop(request_id, None)
                 self.output_processor.abort(request_id)

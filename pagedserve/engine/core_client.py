@@ -28,7 +28,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.core_process import apply_command, ready_message, run_engine_core, step_contained
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.core.messages import (AbortRequests, CoreCommand, CoreFailed, CoreMessage, CoreReady,
-                                      EngineCoreOutputs, EngineCoreRequest, SampleOutput, Shutdown, StopSamples)
+                                      EngineCoreOutputs, EngineCoreRequest, RemoveLoRA, SampleOutput, Shutdown,
+                                      StopSamples)
 from pagedserve.engine.protocol import EngineUnavailable
 from pagedserve.executor.base import HEALTH_CHECK_INTERVAL, ExecutorFailed
 
@@ -79,6 +80,9 @@ class EngineCoreClient(Protocol):
 
     def stop_samples(self, samples: list[tuple[str, int]]) -> None: ...
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (RemoveLoRA)."""
+
     def health_problem(self) -> str | None:
         """Why no core serves now, or None."""
 
@@ -100,6 +104,9 @@ class InprocClient:
 
     def stop_samples(self, samples: list[tuple[str, int]]) -> None:
         self.core.stop_samples(samples)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.core.remove_lora(lora_int_id)
 
     def step(self) -> list[SampleOutput]:
         return self.core.step()
@@ -149,6 +156,9 @@ class ThreadedCoreClient:
 
     def stop_samples(self, samples: list[tuple[str, int]]) -> None:
         self._submit(StopSamples(list(samples)))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._submit(RemoveLoRA(lora_int_id))
 
     def _submit(self, command: CoreCommand, refuse: bool = False) -> None:
         with self._cond:
@@ -394,6 +404,11 @@ class ProcessCoreClient:
         with self._lock:
             if self._serving():
                 self._send(StopSamples(list(samples)))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        with self._lock:
+            if self._serving():
+                self._send(RemoveLoRA(lora_int_id))
 
     def _serving(self) -> bool:
         """With the lock held: a core is up and listening for commands."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import validate_prompt
+from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.weights import read_adapter
+from pagedserve.models.config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.text import check_unicode
 
@@ -23,3 +27,12 @@ def process_inputs(tokenizer, prompt: str | list[int], params: SamplingParams, *
     text, token_ids = tokenize(tokenizer, prompt)
     validate_prompt(token_ids, max_model_len, vocab_size)
     return text, token_ids
+
+
+def check_adapter(adapter: LoRARequest, config: EngineConfig, model_config: ModelConfig) -> None:
+    """ValueError unless the engine serves LoRA and `adapter` fits the model and max_lora_rank.
+    Reads the adapter's config and its tensors' shapes, not the tensors."""
+    if not config.enable_lora:
+        raise ValueError(f"this engine serves no LoRA adapters (asked for {adapter.lora_name!r}): start it with "
+                         "enable_lora=True (the server: --enable-lora)")
+    read_adapter(adapter.lora_path, model_config, config.max_lora_rank)

@@ -15,9 +15,10 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore, EngineStats
 from pagedserve.core.messages import EngineCoreRequest
 from pagedserve.engine.core_client import InprocClient
-from pagedserve.engine.input_processor import process_inputs, tokenize
+from pagedserve.engine.input_processor import check_adapter, process_inputs, tokenize
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.kv import KVCacheStats
+from pagedserve.lora.request import LoRARequest
 from pagedserve.ops import native
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ class LLMEngine:
         self.client = InprocClient(self.core)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self._checked_adapters: set[LoRARequest] = set()
 
     # The core's parts, for the tools and tests that look inside.
     @property
@@ -89,18 +91,40 @@ class LLMEngine:
         return tokenize(self.tokenizer, prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, prompt_text: str | None = None) -> None:
-        """Queue a request; it joins the running batch at the next step. Bad input: ValueError."""
+                    arrival_time: float | None = None, prompt_text: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (under a LoRA adapter, or the base model); it joins the running batch at
+        the next step. Bad input: ValueError."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = process_inputs(self.tokenizer, prompt, params, max_model_len=self.max_model_len,
                                          vocab_size=self.model_config.vocab_size,
                                          max_num_seqs=self.scheduler.max_num_seqs)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.client.add_request(EngineCoreRequest(request_id, token_ids, params))
+        self.client.add_request(EngineCoreRequest(request_id, token_ids, params, lora_request))
         self.output_processor.add_request(request_id, prompt_text if prompt_text is not None else text,
                                           token_ids, params, arrival_time)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model (ValueError saying why it cannot be served) and start
+        reading it into memory. True once it is known."""
+        if lora_request not in self._checked_adapters:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            check_adapter(lora_request, self.config, self.model_config)
+            self.core.executor.prefetch_lora(lora_request)
+            self._checked_adapters.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._checked_adapters = {a for a in self._checked_adapters if a.lora_int_id != lora_int_id}
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return {a.lora_int_id for a in self.core.list_loras()} | {a.lora_int_id for a in self._checked_adapters}
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         self.core.validate_prompt(token_ids)

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.entrypoints.beam_search import beam_search
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.text import check_unicode
@@ -46,18 +47,23 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order. A wrong argument is a
-        ValueError naming it (and the item of a list) before anything runs."""
+        """Generate for every prompt; outputs come back in input order. `lora_request`: the LoRA
+        adapter of every prompt, or a list of them (None: the base model), as vLLM's. A wrong
+        argument is a ValueError naming it (and the item of a list) before anything runs."""
         prompts = _as_prompt_list(prompts)
         params = _sampling_params_list(sampling_params, len(prompts))
+        adapters = _lora_request_list(lora_request, len(prompts))
         engine = self.llm_engine
+        for adapter in dict.fromkeys(a for a in adapters if a is not None):
+            engine.add_lora(adapter)  # a bad adapter is a ValueError now, before any prompt is queued
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, adapter in zip(prompts, params, adapters):
                 request_id = engine.next_request_id()
                 text, prompt_input = _prompt_input(prompt)
-                engine.add_request(request_id, prompt_input, p, prompt_text=text)
+                engine.add_request(request_id, prompt_input, p, prompt_text=text, lora_request=adapter)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # all or nothing: leave no half-submitted batch behind
@@ -72,6 +78,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of message dicts) or a list
         of them, then generate. A wrong argument is a ValueError naming it, and text that is not
@@ -88,7 +95,7 @@ class LLM:
                                                        add_generation_prompt=add_generation_prompt)
                          for c in conversations)
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search for each prompt; each output's sequences come best first."""
@@ -97,6 +104,21 @@ class LLM:
         engine = self.llm_engine
         token_prompts = [engine.tokenize(_prompt_input(p)[1])[1] for p in _as_prompt_list(prompts)]
         return beam_search(engine, token_prompts, params)
+
+    # ---- LoRA adapters --------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter and start reading it into memory (ValueError saying why it cannot be
+        served); `generate` does this for the adapters it is given."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (False if unknown)."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters the engine knows."""
+        return self.llm_engine.list_loras()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -264,6 +286,21 @@ def _sampling_params_list(sampling_params: Any, num_prompts: int) -> list[Sampli
     if len(sampling_params) != num_prompts:
         raise ValueError(f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts")
     return list(sampling_params)
+
+
+def _lora_request_list(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: None, one for all, or a list of them."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)):
+        raise ValueError("lora_request must be None, a LoRARequest or a list of them (one per prompt), "
+                         f"got {_kind(lora_request)}")
+    for i, adapter in enumerate(lora_request):
+        if adapter is not None and not isinstance(adapter, LoRARequest):
+            raise ValueError(f"lora_request[{i}] must be a LoRARequest or None, got {_kind(adapter)}")
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"got {len(lora_request)} LoRA requests for {num_prompts} prompts")
+    return list(lora_request)
 
 
 def _as_conversation_list(messages: Any) -> list[Conversation]:

@@ -10,6 +10,7 @@ is the package's leaf: the core and the implementations import it, it imports ne
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Protocol
 
 import torch
@@ -58,6 +59,13 @@ class Executor(Protocol):
 
     def transfer_blocks(self, stores: list[tuple[int, bytes]], loads: list[tuple[int, torch.Tensor]]) -> None:
         """Copy blocks to the KV tier, then fill blocks from its payloads (`ModelRunner.transfer_blocks`)."""
+
+    def prefetch_lora(self, adapter) -> Future:
+        """Start reading a LoRA adapter into host memory, off the step loop: a future done once it
+        is there (its exception: why the adapter cannot be served)."""
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter from host memory."""
 
     def check_health(self) -> None:
         """Raise ExecutorFailed if a step can no longer run."""

@@ -174,6 +174,14 @@ class TensorParallelExecutor:
     def transfer_blocks(self, stores, loads) -> None:
         raise NotImplementedError("the KV tier is not supported under tensor parallelism")
 
+    def prefetch_lora(self, adapter):
+        # The driver reads its shard off the step loop; each worker reads its own when a step first
+        # needs the adapter (tp_protocol carries the (slot, adapter) loads with the step).
+        return self.runner.lora.prefetch(adapter)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.runner.lora.remove(lora_int_id)
+
     def check_health(self) -> None:
         """ExecutorFailed if the group is broken, or a spawned worker is gone."""
         if self._failed is None:
@@ -190,6 +198,8 @@ class TensorParallelExecutor:
                 self._broadcast(protocol.header(protocol.SHUTDOWN))
             except Exception as e:
                 logger.warning("could not tell the workers to stop (%r); stopping them", e)
+        if getattr(self, "runner", None) is not None and self.runner.lora is not None:
+            self.runner.lora.shutdown()
         self._finalizer()
         leave_group()
         # The groups hold the rendezvous store, whose server socket stays bound while they live.

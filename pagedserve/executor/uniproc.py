@@ -52,9 +52,17 @@ class UniProcExecutor:
     def transfer_blocks(self, stores, loads) -> None:
         self.runner.transfer_blocks(stores, loads)
 
+    def prefetch_lora(self, adapter):
+        return self.runner.lora.prefetch(adapter)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.runner.lora.remove(lora_int_id)
+
     def check_health(self) -> None:
         pass
 
     def shutdown(self) -> None:
+        if self.runner.lora is not None:
+            self.runner.lora.shutdown()
         if self.runner.kv_tier is not None:
             self.runner.kv_tier.close()  # pending blocks are written: a restart finds them

@@ -90,6 +90,8 @@ def replay_skipped(model_config: ModelConfig, config: EngineConfig,
     if device == "cuda":
         if config.attention_backend != "triton":
             return f"attention_backend={config.attention_backend!r}: CUDA graphs need the Triton backend"
+        if config.enable_lora:
+            return "LoRA: the adapters' grouped matmuls change shape with each step's mix of adapters"
         return None
     if device != "cpu":
         return f"no decode replays on {device}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.kv import BlockCopy
 from pagedserve.kv.sizes import cdiv
+from pagedserve.lora.manager import LoRAManager
+from pagedserve.lora.request import LoRARequest
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.sharding import kv_heads_per_rank
 from pagedserve.offload import transfer
@@ -41,6 +43,8 @@ class StepInputs:
     block_tables: torch.Tensor             # [requests, blocks], int64, padded with 0
     block_copies: list[tuple[int, int]]    # copy-on-write (src, dst) pairs, done before the pass
     logits_rows: list[int]                 # tokens (indices into input_ids) whose logits are wanted
+    lora_token_slots: list[int] | None = None  # LoRA: per token its adapter's slot (-1: the base model)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # slots to fill first
 
 
 # The prompts of a warm-up step are at most this long: a chat burst's, not one long document's,
@@ -82,6 +86,8 @@ class ModelRunner:
         self.calibrate_kv_scales = config.calculate_kv_scales
         self._fast_paths: dict[str, str | None] | None = None  # decided with the decode replays
         self.kv_tier: FileTier | None = None  # the KV tier behind the pool (kv_offload_dir)
+        self.lora = LoRAManager(model, model_config, config, max(config.max_num_batched_tokens, self.max_decode_rows)) \
+            if config.enable_lora else None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
@@ -252,9 +258,13 @@ class ModelRunner:
         rows = [starts[i + 1] - 1 - num_drafts[i] + j for i in sample_rows for j in range(num_drafts[i] + 1)]
         rows += [starts[row] + first + k for row, first, count in prompt_spans for k in range(count)]
         num_new = list(plan.num_new_tokens)
+        token_slots = None
+        if plan.lora_slots and any(s >= 0 for s in plan.lora_slots):
+            token_slots = [slot for slot, n in zip(plan.lora_slots, num_new) for _ in range(n)]
         if plan.has_drafts:
             computed, num_new, tables = self._draft_rows(computed, num_new, num_drafts, tables)
-        return StepInputs(input_ids, computed, num_new, tables, list(plan.block_copies), rows)
+        return StepInputs(input_ids, computed, num_new, tables, list(plan.block_copies), rows, token_slots,
+                          list(plan.lora_loads))
 
     @staticmethod
     def _draft_rows(computed: list[int], num_new: list[int], num_drafts: list[int],
@@ -281,6 +291,9 @@ class ModelRunner:
         """The forward pass of a prepared step: float32 logits of `inputs.logits_rows` (None on
         a tensor-parallel rank other than 0, which computes its share of them only)."""
         self.copy_blocks(inputs.block_copies)
+        if self.lora is not None:
+            self.lora.activate(inputs.lora_loads)
+            self.lora.batch.set(inputs.lora_token_slots or [-1] * len(inputs.input_ids))
         md = self._metadata(inputs.block_tables, inputs.num_computed, inputs.num_new)
         ids = torch.tensor(inputs.input_ids, device=self.device)
         if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):
