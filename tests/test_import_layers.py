@@ -21,12 +21,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedserve.ops",),  # C-backed ops: what they compute, not who calls them
     ("pagedserve.structured_output",),
     ("pagedserve.sampling_params",),
+    ("pagedserve.lora.request", "pagedserve.lora.slots"),  # which adapter a request names; the model's slots
     ("pagedserve.kv",),  # the block pool and its manager
     ("pagedserve.spec_decode",),  # speculative decoding: draft proposers, the rejection sampler
     ("pagedserve.attention",),
     ("pagedserve.offload",),  # the KV tier behind the pool: block files, and transfers in its layout
     ("pagedserve.distributed",),  # the tensor-parallel process group
     ("pagedserve.models",),
+    ("pagedserve.lora",),  # LoRA adapters: their weights, the slots' stacks on the model, a runner's adapters
     # What the core plans and samples, which the worker side reads.
     ("pagedserve.core.request", "pagedserve.core.messages", "pagedserve.core.scheduler", "pagedserve.core.sampler"),
     ("pagedserve.worker",),
