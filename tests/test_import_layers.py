@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedserve.offload",),  # the KV tier behind the pool: block files, and transfers in its layout
     ("pagedserve.distributed",),  # the tensor-parallel process group
     ("pagedserve.models",),
+    ("pagedserve.lora",),  # LoRA adapters: their weights, the slots' stacks on the model, a runner's adapters
     # What the core plans and samples, which the worker side reads.
     ("pagedserve.core.request", "pagedserve.core.messages", "pagedserve.core.scheduler", "pagedserve.core.sampler"),
     ("pagedserve.worker",),
