@@ -81,12 +81,13 @@ def random_prompts(model_config, num_requests: int, prompt_len: int, output_len:
                              for _ in range(num_requests)])
 
 
-def _engine(model, tokenizer, **kwargs):
+def _engine(loaded, tokenizer, **kwargs):
+    """An LLM over `loaded` (a load_model result) with these EngineConfig settings."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
 
-    return LLM.from_engine(LLMEngine(EngineConfig(**kwargs), model=model, tokenizer=tokenizer))
+    return LLM.from_engine(LLMEngine(EngineConfig(**kwargs), model=loaded, tokenizer=tokenizer))
 
 
 def _run(llm, workload: Workload, adapters: list) -> dict:

@@ -299,7 +299,7 @@ def _lora_request_list(lora_request: Any, num_prompts: int) -> list[LoRARequest 
         if adapter is not None and not isinstance(adapter, LoRARequest):
             raise ValueError(f"lora_request[{i}] must be a LoRARequest or None, got {_kind(adapter)}")
     if len(lora_request) != num_prompts:
-        raise ValueError(f"got {len(lora_request)} LoRA requests for {num_prompts} prompts")
+        raise ValueError(f"lora_request: got {len(lora_request)} LoRA requests for {num_prompts} prompts")
     return list(lora_request)
 
 

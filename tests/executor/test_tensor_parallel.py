@@ -119,3 +119,30 @@ def test_embedded_model_tp3_matches_transformers(embedded_hf_model, embedded_tok
 def test_a_model_that_does_not_split_says_which_sizes_it_accepts(embedded_tokenizer):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*9 attention heads.*accepts 1, 3"):
         LLMEngine(EngineConfig(tensor_parallel_size=2), tokenizer=embedded_tokenizer)
+
+
+def test_tp2_lora_adapters_match_transformers_with_peft(tiny_checkpoint, tiny_adapter, embedded_tokenizer):
+    """Each rank holds its shard of every adapter's A/B (column-parallel B rows, row-parallel A
+    columns); a mixed batch with the base model, preemption and slot turnover (two slots, three
+    adapters) gives transformers + PEFT's merged output."""
+    from pagedserve.lora.request import LoRARequest
+    from tests.lora.lora_fixtures import merged_reference
+
+    path, hf_model = tiny_checkpoint("llama")
+    prompts = tiny_prompts(hf_model.config.vocab_size)[:6]
+    names = ["r4", "r2-attn", "r8-rslora"]
+    adapters = [None] + [LoRARequest(n, i + 1, str(tiny_adapter(n))) for i, n in enumerate(names)]
+    per_prompt = [adapters[i % len(adapters)] for i in range(len(prompts))]
+    merged = {a: merged_reference(hf_model, a.lora_path) for a in adapters[1:]}
+    reference = [hf_greedy(hf_model if a is None else merged[a], p, MAX_TOKENS) for p, a in zip(prompts, per_prompt)]
+    base = [hf_greedy(hf_model, p, MAX_TOKENS) for p, a in zip(prompts, per_prompt) if a is not None]
+    assert all(r != b for r, b in zip([r for r, a in zip(reference, per_prompt) if a is not None], base))
+    config = EngineConfig(model=str(path), tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8,
+                          **TIGHT)
+    with LLM.from_engine(LLMEngine(config, tokenizer=embedded_tokenizer)) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False, lora_request=per_prompt)
+        metrics = llm.get_metrics()
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert metrics["preemptions"] > 0 and metrics["kv_used_blocks"] == 0
