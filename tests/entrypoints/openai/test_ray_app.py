@@ -4,6 +4,7 @@ keeps each system prompt on one replica where Ray Serve's default router spreads
 
 from __future__ import annotations
 
+import copy
 import random
 import signal
 import socket
@@ -25,6 +26,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pagedserve.config import EngineConfig
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.entrypoints.openai.ray_app import APP_NAME, build_ray_app
+from pagedserve.entrypoints.openai.serving_models import LoRAModulePath
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from tests.conftest import randomize_
 from tests.entrypoints.openai.server_harness import read_metrics
@@ -293,6 +296,44 @@ def test_serve_ray_runs_a_tensor_parallel_replica_and_sigterm_takes_it_all_down(
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_lora_adapters_reach_the_replicas(ray_serve, checkpoint, tmp_path):
+    """An adapter named at start and one loaded at runtime: each request reaches a replica with its
+    adapter and gets the offline engine's answer under it; an unloaded name is a 404."""
+    from peft import LoraConfig, get_peft_model
+
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    paths = {}
+    for name, seed in (("alpha", 1), ("beta", 2)):
+        torch.manual_seed(seed)
+        config = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        get_peft_model(copy.deepcopy(hf_model), config).save_pretrained(tmp_path / name)
+        paths[name] = str(tmp_path / name)
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    prompt, params = "The capital of France is", SamplingParams(max_tokens=8, temperature=0)
+    with LLM(checkpoint, num_kv_blocks=128, **lora) as offline:
+        expected = {name: offline.generate([prompt], params, use_tqdm=False, lora_request=None if name is None else
+                                           LoRARequest(name, i + 1, paths[name]))[0].outputs[0].text
+                    for i, name in enumerate((None, "alpha", "beta"))}
+    assert len(set(expected.values())) == 3
+    serve.delete(APP_NAME)
+    deploy(ray_serve, checkpoint, "lora", lora_modules=[LoRAModulePath("alpha", paths["alpha"])],
+           allow_runtime_lora_updating=True, engine={"num_kv_blocks": 128, "max_model_len": 1024, **lora})
+    client = openai.OpenAI(base_url=f"{ray_serve}/v1", api_key="unused", max_retries=0)
+
+    def complete(model: str) -> str:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+    assert [m.id for m in client.models.list().data] == [MODEL, "alpha"]
+    assert (complete("alpha"), complete(MODEL)) == (expected["alpha"], expected[None])
+    loaded = httpx.post(f"{ray_serve}/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": paths["beta"]})
+    assert loaded.status_code == 200
+    assert complete("beta") == expected["beta"]
+    assert httpx.post(f"{ray_serve}/v1/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete("beta")
 
 
 def test_autoscale_adds_a_replica_under_load(ray_serve, checkpoint):
