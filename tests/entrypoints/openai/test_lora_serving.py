@@ -221,6 +221,17 @@ def test_load_inplace_replaces_an_adapter_under_its_name(lora_server, offline_lo
     assert post(lora_server, "unload_lora_adapter", lora_name="delta").status_code == 200
 
 
+def test_two_loads_of_one_name_at_once_serve_one_adapter(lora_server, adapters):
+    async def run():
+        async with httpx.AsyncClient(base_url=f"{lora_server.url}/v1", timeout=60) as http:
+            return await asyncio.gather(*(http.post("/load_lora_adapter", json={"lora_name": "zeta", "lora_path": path})
+                                          for path in (adapters["alpha"], adapters["beta"])))
+
+    assert sorted(r.status_code for r in asyncio.run(run())) == [200, 400]
+    assert [m.id for m in lora_server.client().models.list().data] == [MODEL, "alpha", "beta", "zeta"]
+    assert post(lora_server, "unload_lora_adapter", lora_name="zeta").status_code == 200
+
+
 def test_a_bad_load_is_a_400_saying_why(lora_server, adapters, tmp_path):
     def refused(status: int, param: str, **body) -> str:
         r = post(lora_server, body.pop("route", "load_lora_adapter"), **body)
