@@ -481,7 +481,7 @@ def report_identical_outputs(args: argparse.Namespace, name: str, table: str, pl
     with `feature` differ from those without."""
     print(table)
     save_report(args.out_dir, name, table, None, args.json, report)
-    if args.plot:
+    if args.plot and plot is not None:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
     if not report["all_identical"]:
@@ -503,6 +503,18 @@ def cmd_bench_offload(args: argparse.Namespace) -> None:
         swap_output_len=args.swap_output_len, swap_max_num_seqs=args.swap_max_num_seqs, swap_blocks=args.swap_blocks,
         reps=args.reps, seed=args.seed, offload_root=args.offload_root, offload_bytes=args.offload_bytes)
     report_identical_outputs(args, "bench_offload", markdown_table(report), plot, report, "the KV tier")
+
+
+def cmd_bench_lora(args: argparse.Namespace) -> None:
+    from pagedserve.bench.lora import markdown_table, plot, run_lora_bench
+
+    parts = tuple(p for p in args.parts.split(",") if p)
+    report = run_lora_bench(parts, num_adapters=args.num_adapters, rank=args.rank, num_requests=args.requests,
+                            prompt_len=args.prompt_len, output_len=args.output_len, reps=args.reps,
+                            load_reps=args.load_reps, model=args.model, dtype=args.dtype,
+                            quantization=args.quantization, seed=args.seed)
+    report_identical_outputs(args, "bench_lora", markdown_table(report), plot if "throughput" in parts else None,
+                             report, "LoRA on (requests on the base model)")
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
@@ -857,6 +869,26 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--plot", default=None, help="write the figure (one panel per part) here")
     off.add_argument("--json", default=None)
     off.set_defaults(func=cmd_bench_offload)
+
+    lora = bench.add_parser("lora", help="many LoRA adapters served at once against the base model alone: output "
+                            "tokens/s, and the time to load an adapter")
+    lora.add_argument("--parts", default="throughput,load", help="comma list of throughput, load")
+    lora.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded model)")
+    lora.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    lora.add_argument("--quantization", default="auto", help="the engines' quantization (EngineConfig's)")
+    lora.add_argument("--num-adapters", type=positive(int), default=8, help="random adapters, each in a slot")
+    lora.add_argument("--rank", type=positive(int), default=16)
+    lora.add_argument("--requests", type=positive(int), default=32, help="requests at once, request i on adapter "
+                      "i mod N")
+    lora.add_argument("--prompt-len", type=positive(int), default=128)
+    lora.add_argument("--output-len", type=positive(int), default=128)
+    lora.add_argument("--reps", type=positive(int), default=3, help="throughput: repetitions, systems in turn")
+    lora.add_argument("--load-reps", type=positive(int), default=10, help="load: repetitions (medians)")
+    lora.add_argument("--seed", type=int, default=0)
+    lora.add_argument("--out-dir", default=None, help="write bench_lora.md here")
+    lora.add_argument("--plot", default=None, help="write the throughput figure here")
+    lora.add_argument("--json", default=None)
+    lora.set_defaults(func=cmd_bench_lora)
 
     worker = sub.add_parser(
         "worker", help="a tensor-parallel rank > 0 for an engine on another machine (env:// rendezvous)",

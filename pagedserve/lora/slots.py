@@ -49,5 +49,8 @@ class LoRASlots:
         half written; a removed adapter): it is loaded again when next needed."""
         self._slot_of.pop(lora_int_id, None)
 
+    def forget_all(self) -> None:
+        self._slot_of.clear()
+
     def holds(self, lora_int_id: int) -> bool:
         return lora_int_id in self._slot_of

@@ -164,12 +164,15 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     """nn.Linear through `linear` (ops/csrc/linear.c or oneDNN on CPU in float32 and bfloat16), or
-    through its quantized weight where the loader gave it one (`quantize`: then `weight` is None)."""
+    through its quantized weight where the loader gave it one (`quantize`: then `weight` is None).
+    With `lora` set (a lora.layers.LoRAStack, on the fused linears of a model with LoRA slots), each
+    output row also gets the delta of its token's adapter."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.packed = PackedWeight()
         self.quantized: QuantizedWeight | None = None
+        self.lora = None
 
     def quantize(self, weight: QuantizedWeight) -> None:
         """Hold `weight` instead of the dense parameter."""
@@ -177,7 +180,10 @@ class Linear(nn.Linear):
         self.quantized = weight
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, out)
+        return out
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """x @ W.T (+ bias), W dense or quantized."""
@@ -189,7 +195,8 @@ class Linear(nn.Linear):
 class RowParallelLinear(Linear):
     """A Linear whose input features are split across a tensor-parallel group: each rank
     multiplies its slice, the partial products are summed over the group, then the (whole) bias
-    is added once. With a group of one, exactly Linear."""
+    is added once. A LoRA delta is a partial product too: its A holds this rank's input features.
+    With a group of one, exactly Linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -198,7 +205,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(self.matmul(x, None))
+        out = self.matmul(x, None)
+        if self.lora is not None:
+            self.lora.add_to(x, out)
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out.add_(self.bias)
 
 

@@ -45,6 +45,7 @@ SOURCES = {
     "linear": FLAGS,
     "quant_linear": FLAGS,
     "replay": FLAGS,
+    "lora": FLAGS,
     "fused_ops": [f for f in FLAGS if not f.startswith("-ffp-contract")] + ["-ffp-contract=off"],
 }
 # The libraries built from more than one source. At -O3 the attention kernels take most of a cold

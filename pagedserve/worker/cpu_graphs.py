@@ -40,7 +40,7 @@ from pagedserve.ops import native
 # row count). A call's arguments split into integers (pointers included) and floats, each in order.
 KINDS = {"linear": (0, 1), "rms_norm": (1, 4), "silu_and_mul": (2, 2), "rotary": (3, 3),
          "paged_decode_attention": (4, 7), "gather_rows": (5, 4), "scatter_rows": (6, 5), "quant_linear": (7, 1),
-         "quant_rows": (8, 4)}
+         "quant_rows": (8, 4), "lora_add": (9, 1)}
 MAX_INTS, MAX_FLOATS = 19, 3
 ALIGN = 64  # bytes: each intermediate's place in the arena, as torch aligns its allocations
 
@@ -171,8 +171,8 @@ class CpuDecodeGraph:
         if failed:
             kind = next(name for name, (k, _) in KINDS.items() if k == self.calls[failed - 1].kind)
             raise RuntimeError(f"replayed decode step: call {failed - 1} ({kind}) failed: a row index out of "
-                               "range, a block id outside the pool (a checked build), or no memory for the "
-                               "attention kernel's scratch space")
+                               "range, a block id outside the pool (a checked build), a LoRA slot outside the "
+                               "model's, or no memory for a kernel's scratch space")
         return self.output[:n]
 
 

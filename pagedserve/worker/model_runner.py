@@ -86,8 +86,10 @@ class ModelRunner:
         self.calibrate_kv_scales = config.calculate_kv_scales
         self._fast_paths: dict[str, str | None] | None = None  # decided with the decode replays
         self.kv_tier: FileTier | None = None  # the KV tier behind the pool (kv_offload_dir)
-        self.lora = LoRAManager(model, model_config, config, max(config.max_num_batched_tokens, self.max_decode_rows)) \
-            if config.enable_lora else None
+        # LoRA: the adapters' slots on the model's linear layers. A model that holds another engine's
+        # slots runs here with every row on the base model.
+        capacity = max(config.max_num_batched_tokens, self.max_decode_rows)
+        self.lora = LoRAManager(model, model_config, config, capacity) if config.enable_lora else None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
@@ -293,7 +295,9 @@ class ModelRunner:
         self.copy_blocks(inputs.block_copies)
         if self.lora is not None:
             self.lora.activate(inputs.lora_loads)
-            self.lora.batch.set(inputs.lora_token_slots or [-1] * len(inputs.input_ids))
+        lora_batch = getattr(self.model, "lora_batch", None)
+        if lora_batch is not None:
+            lora_batch.set(inputs.lora_token_slots or [-1] * len(inputs.input_ids))
         md = self._metadata(inputs.block_tables, inputs.num_computed, inputs.num_new)
         ids = torch.tensor(inputs.input_ids, device=self.device)
         if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):

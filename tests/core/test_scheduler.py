@@ -188,3 +188,56 @@ def test_a_victim_is_swapped_by_the_mode_and_the_tier(mode, tier, swapped):
     plan = s.schedule()  # old's 9th token needs a block: new is preempted
     assert plan.preempted == [new]
     assert [h for _, h in plan.kv_stores] == (new.block_hashes[:2] if swapped else [])
+
+
+def lora_request(name, prompt_len, lora_id):
+    from pagedserve.lora.request import LoRARequest
+
+    adapter = None if lora_id is None else LoRARequest(f"a{lora_id}", lora_id, f"/adapters/{lora_id}")
+    return Request(name, list(range(prompt_len)), SamplingParams(), lora_request=adapter,
+                   cache_key=None if adapter is None else ("lora", lora_id))
+
+
+def test_running_requests_use_at_most_max_loras_adapters_and_the_rest_wait_their_turn():
+    s = Scheduler(KVCacheManager(64, 4, True), 8, 256, max_loras=2)
+    reqs = [lora_request("a1", 5, 1), lora_request("b", 5, 2), lora_request("c", 5, 3),
+            lora_request("base", 5, None), lora_request("a2", 5, 1)]
+    for r in reqs:
+        s.add(r)
+    plan = run_step(s)
+    # c's adapter would be a third: it waits, and those behind it go first.
+    assert [r.request_id for r in plan.requests] == ["a1", "b", "base", "a2"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+    slots = dict(zip([r.request_id for r in plan.requests], plan.lora_slots))
+    assert slots["base"] == -1 and slots["a1"] == slots["a2"] != slots["b"] and {slots["a1"], slots["b"]} == {0, 1}
+    assert sorted(a.lora_int_id for _, a in plan.lora_loads) == [1, 2]
+    plan = run_step(s)
+    assert plan.lora_loads == []  # the adapters stay in their slots
+    s.finish(reqs[1], RequestStatus.FINISHED_STOPPED)  # b's adapter leaves the running batch
+    plan = run_step(s)
+    assert "c" in [r.request_id for r in plan.requests]
+    assert [(slot, a.lora_int_id) for slot, a in plan.lora_loads] == [(slots["b"], 3)]  # c takes b's slot
+
+
+def test_the_same_prompt_under_two_adapters_shares_no_cached_block():
+    s = Scheduler(KVCacheManager(64, 4, True), 8, 256, max_loras=2)
+    first = lora_request("x", 12, 1)
+    s.add(first)
+    run_step(s)
+    same_adapter, other_adapter, base = lora_request("y", 12, 1), lora_request("z", 12, 2), lora_request("w", 12, None)
+    for r in (same_adapter, other_adapter, base):
+        s.add(r)
+    run_step(s)
+    assert same_adapter.num_cached_tokens == 8  # the full blocks it shares with x's prompt (the last is recomputed)
+    assert other_adapter.num_cached_tokens == 0 and base.num_cached_tokens == 0
+
+
+def test_a_failed_step_forgets_the_slots_it_was_to_fill():
+    s = Scheduler(KVCacheManager(64, 4, True), 8, 256, max_loras=1)
+    r = lora_request("a", 5, 1)
+    s.add(r)
+    plan = s.schedule()
+    assert [a.lora_int_id for _, a in plan.lora_loads] == [1]
+    s.undo_step(plan)
+    plan = s.schedule()
+    assert [a.lora_int_id for _, a in plan.lora_loads] == [1]  # loaded again: the failed step may have left it half written

@@ -17,17 +17,18 @@ from pagedserve.ops import native
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/ops/test_cpu_attention.py", "tests/ops/test_cpu_linear.py", "tests/ops/test_fused_cpu.py",
-                "tests/models/test_quantized.py", "tests/worker/test_cpu_graphs.py"]
+                "tests/ops/test_lora_cpu.py", "tests/models/test_quantized.py", "tests/worker/test_cpu_graphs.py"]
 # Under ASan: every kernel (decode and prefill over each cache type, block sizes, windows; matmuls of
-# every tile edge; the fused ops; each quantized format; a replayed forward), without the tests whose
-# bounds hold only for the default build's order of float sums: instrumented, gcc leaves the RMSNorm
-# sum scalar (a bfloat16 output then lands 2 steps from torch's where the test allows 1).
+# every tile edge; the fused ops; the LoRA deltas; each quantized format; a replayed forward), without
+# the tests whose bounds hold only for the default build's order of float sums: instrumented, gcc
+# leaves the RMSNorm sum scalar (a bfloat16 output then lands 2 steps from torch's where the test
+# allows 1).
 SANITIZED = " or ".join([
     "test_long_contexts_match_the_oracle", "test_fp8_cache", "test_bfloat16_cache_matches",
     "test_queries_may_be_a_view", "test_only_the_decode_rows", "test_prefill_matches_the_oracle", "test_prefill_reads_any_block_size",
     "test_prefill_over", "test_prefill_writes_only", "test_the_checked_build",
     "test_matches_float64_for_any_shape", "test_model_shapes",
-    "test_silu", "test_rotary", "test_row_",
+    "test_silu", "test_rotary", "test_row_", "test_matches_a_per_row", "test_rows_of_a_strided", "test_a_row_gets",
     "test_dequantized_weights", "test_linear_matches_dequantize", "test_an_embedding_row_id",
     "test_replays_equal"])
 # For x86-64-v3: the exactness checks of every kernel; not the tests of loading and falling back.

@@ -16,11 +16,13 @@ from pagedserve.attention import get_backend
 from pagedserve.attention.kv_cache import KVCache, allocate_kv_cache
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.lora.layers import attach, load_slot
 from pagedserve.models.loader import load_model
 from pagedserve.ops import cpu_attention, cpu_linear, native
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker import cpu_graphs
 from pagedserve.worker.cpu_graphs import CpuDecodeGraph, NotRecordable, _Watch
+from tests.lora.test_layers import adapters_for
 
 BLOCK, NUM_BLOCKS, MAX_BLOCKS = 8, 48, 6
 
@@ -88,6 +90,48 @@ def test_replays_equal_the_eager_forward_bit_for_bit(arch, dtype, tiny_checkpoin
             assert got.dtype == dtype and torch.equal(got, expected)
             for cache, ref in zip(caches, reference):  # the same K/V written into the same slots
                 assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
+            for r in rows:
+                lens[r] += 1
+
+
+@needs_replays
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replays_add_each_rows_lora_delta_bit_for_bit(dtype, tiny_checkpoint):
+    """The deltas are C calls like the others: recorded once, replayed with the slots each step sets,
+    and with the weights a slot holds at the time (a load writes in place)."""
+    model, config = load_model(str(tiny_checkpoint("llama")[0]), dtype=dtype)
+    if not expected_recordable("llama", dtype):
+        pytest.skip(f"no C matmul for {dtype} here")
+    batch = attach(model, num_slots=3, max_rank=16, capacity=128)
+    adapters = adapters_for(model, 16)
+    for slot, weights in enumerate(adapters[:2]):
+        load_slot(model, slot, weights)
+    lens = [5, 11, 17, 3, 9, 30]
+    with torch.inference_mode():
+        batch.set([0] * sum(lens))
+        caches, tables = prefilled(model, config, lens, dtype)
+        graph = graph_over(model, caches)
+        assert graph is not None
+        kind = cpu_graphs.KINDS["lora_add"][0]
+        assert sum(call.kind == kind for call in graph.calls) == 4 * config.num_layers
+        gen = torch.Generator().manual_seed(1)
+        steps = [([0, 1, 2, 3, 4, 5], [0, 1, -1, 2, 0, 1]), ([4, 0, 2], [1, -1, 1]), ([3, 5], [2, 0]), ([1], [-1])]
+        for i, (rows, slots) in enumerate(steps):
+            if i == 2:
+                load_slot(model, 2, adapters[0])  # after the recording: the replay reads it
+            md = torch_md([tables[r] for r in rows], [lens[r] for r in rows], [1] * len(rows))
+            ids = torch.randint(config.vocab_size, (len(rows),), generator=gen)
+            batch.clear()
+            base = model(ids, md.positions, copies(caches), md)
+            batch.set(slots)
+            reference = copies(caches)
+            expected = model(ids, md.positions, reference, md)
+            got = graph.run(ids, md)
+            assert torch.equal(got, expected)
+            for cache, ref in zip(caches, reference):
+                assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
+            for r, slot in enumerate(slots):  # a row with an adapter moved; a base row, or an empty slot's, did not
+                assert torch.equal(got[r], base[r]) == (slot < 0 or (slot == 2 and i < 2))
             for r in rows:
                 lens[r] += 1
 

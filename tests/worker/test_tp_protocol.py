@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.worker import tp_protocol as protocol
 from pagedserve.worker.model_runner import StepInputs
 
@@ -21,7 +22,11 @@ def step_inputs(draw) -> StepInputs:
     ids = draw(st.lists(st.integers(0, 2**31), min_size=sum(new), max_size=sum(new)))
     copies = draw(st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), max_size=4))
     rows = draw(st.lists(st.integers(0, sum(new) - 1), max_size=8))
-    return StepInputs(ids, computed, new, tables, copies, rows)
+    token_slots = draw(st.one_of(st.none(), st.lists(st.integers(-1, 7), min_size=sum(new), max_size=sum(new))))
+    names = st.text(min_size=1, max_size=12)  # any text: names and paths cross as UTF-8 JSON
+    loads = draw(st.lists(st.tuples(st.integers(0, 7), st.builds(LoRARequest, names, st.integers(1, 2**40), names)),
+                          max_size=3))
+    return StepInputs(ids, computed, new, tables, copies, rows, token_slots, loads)
 
 
 @settings(max_examples=200, deadline=None)
@@ -33,4 +38,5 @@ def test_pack_then_unpack_gives_the_same_step(inputs):
     out = protocol.unpack_step(head, payload)
     assert (out.input_ids, out.num_computed, out.num_new, out.block_copies, out.logits_rows) == (
         inputs.input_ids, inputs.num_computed, inputs.num_new, inputs.block_copies, inputs.logits_rows)
+    assert (out.lora_token_slots, out.lora_loads) == (inputs.lora_token_slots, inputs.lora_loads)
     assert torch.equal(out.block_tables, inputs.block_tables)

@@ -10,7 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY, DECODE_ATTENTION, GATHER_ROWS, SCATTER_ROWS, QUANT_LINEAR, QUANT_ROWS };
+enum { LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY, DECODE_ATTENTION, GATHER_ROWS, SCATTER_ROWS, QUANT_LINEAR, QUANT_ROWS,
+       LORA_ADD };
 #define MAX_INTS 19
 #define MAX_FLOATS 3
 
@@ -34,6 +35,8 @@ typedef void quant_linear_fn(const void *, int64_t, int64_t, const void *, int64
                              int, int);
 typedef int quant_rows_fn(const void *, int64_t, int64_t, const int64_t *, int64_t, void *, int, int, int, int, int,
                           int);
+typedef int lora_add_fn(const void *, int64_t, int64_t, void *, int64_t, const int64_t *, int64_t, const void *,
+                        const void *, const int64_t *, const int64_t *, int64_t, int64_t, int, int);
 
 #define P(i) ((void *)a[i])
 
@@ -80,6 +83,11 @@ int64_t replay(const call_t *calls, int64_t count, int64_t rows)
         case QUANT_ROWS:
             if (((quant_rows_fn *)call->fn)(P(0), a[1], a[2], P(3), a[4], P(5), (int)a[6], (int)a[7], (int)a[8],
                                             (int)a[9], (int)a[10], (int)a[11]) != 0)
+                return c + 1;
+            break;
+        case LORA_ADD:
+            if (((lora_add_fn *)call->fn)(P(0), a[1], a[2], P(3), a[4], P(5), a[6], P(7), P(8), P(9), P(10), a[11], a[12],
+                                          (int)a[13], (int)a[14]) != 0)
                 return c + 1;
             break;
         default:
