@@ -19,8 +19,6 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
 from server_harness import Server, serve
 
 from pagedserve.config import EngineConfig
@@ -32,21 +30,13 @@ from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_module
 from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
+from tests.lora.lora_fixtures import make_peft_adapter
 
 MODEL = "odd-base"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three fruits."}]
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=16)
 REPO = Path(__file__).resolve().parents[3]
-
-
-def make_adapter(hf_model, path: Path, rank: int, seed: int) -> str:
-    """A random PEFT LoRA adapter on every projection of `hf_model` (left as it is), saved in `path`."""
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS, init_lora_weights=False)
-    get_peft_model(copy.deepcopy(hf_model), config).save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +44,11 @@ def adapters(odd_checkpoint, tmp_path_factory) -> dict[str, str]:
     """Adapters by name -> directory; "wide" has a rank above the servers' max_lora_rank."""
     _, hf_model = odd_checkpoint
     root = tmp_path_factory.mktemp("adapters")
-    return {name: make_adapter(hf_model, root / name, rank, seed)
-            for name, rank, seed in (("alpha", 8, 1), ("beta", 16, 2), ("gamma", 4, 3), ("wide", 32, 4))}
+    made = {"alpha": dict(rank=8, alpha=16, seed=1),
+            "beta": dict(rank=16, alpha=32, targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=2),
+            "gamma": dict(rank=4, alpha=2, targets=("gate_proj", "up_proj", "down_proj"), use_rslora=True, seed=3),
+            "wide": dict(rank=32, alpha=64, seed=4)}
+    return {name: str(make_peft_adapter(hf_model, root / name, **options)) for name, options in made.items()}
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ keeps each system prompt on one replica where Ray Serve's default router spreads
 
 from __future__ import annotations
 
-import copy
 import random
 import signal
 import socket
@@ -30,6 +29,7 @@ from pagedserve.entrypoints.openai.serving_models import LoRAModulePath
 from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from tests.conftest import randomize_
+from tests.lora.lora_fixtures import make_peft_adapter
 from tests.entrypoints.openai.server_harness import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -301,16 +301,9 @@ def test_serve_ray_runs_a_tensor_parallel_replica_and_sigterm_takes_it_all_down(
 def test_lora_adapters_reach_the_replicas(ray_serve, checkpoint, tmp_path):
     """An adapter named at start and one loaded at runtime: each request reaches a replica with its
     adapter and gets the offline engine's answer under it; an unloaded name is a 404."""
-    from peft import LoraConfig, get_peft_model
-
     hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    paths = {}
-    for name, seed in (("alpha", 1), ("beta", 2)):
-        torch.manual_seed(seed)
-        config = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        get_peft_model(copy.deepcopy(hf_model), config).save_pretrained(tmp_path / name)
-        paths[name] = str(tmp_path / name)
+    paths = {name: str(make_peft_adapter(hf_model, tmp_path / name, rank=8, alpha=16, seed=seed))
+             for name, seed in (("alpha", 1), ("beta", 2))}
     lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
     prompt, params = "The capital of France is", SamplingParams(max_tokens=8, temperature=0)
     with LLM(checkpoint, num_kv_blocks=128, **lora) as offline:
