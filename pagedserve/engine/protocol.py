@@ -16,6 +16,7 @@ from pagedserve.kv import KVCacheStats
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
+    from pagedserve.lora.request import LoRARequest
     from pagedserve.outputs import RequestOutput
     from pagedserve.sampling_params import SamplingParams
 
@@ -73,7 +74,16 @@ class EngineClient(Protocol):
         failed). Add hooks before serving."""
 
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
-                 prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's cumulative outputs until it finishes. ValueError for a request the engine
-        refuses (a 400), EngineError for an engine fault (EngineUnavailable: a 503); leaving early
-        aborts the request."""
+                 prompt_text: str | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's cumulative outputs until it finishes, under `lora_request`'s adapter (None:
+        the base model). ValueError for a request the engine refuses (a 400), EngineError for an
+        engine fault (EngineUnavailable: a 503); leaving early aborts the request."""
+
+    def check_lora(self, adapter: LoRARequest) -> None:
+        """ValueError saying why the engine cannot serve `adapter` (LoRA off, a bad directory or
+        config, shapes that do not fit the model, a rank above max_lora_rank). Reads the adapter's
+        config and tensor shapes, not its tensors: quick, but file reads (keep it off the event loop)."""
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (its host memory and slot); requests in flight that use it finish with it."""

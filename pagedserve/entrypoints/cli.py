@@ -182,7 +182,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                    router_kwargs={"imbalance_threshold": args.router_imbalance_threshold}
                    if args.router == "prefix-aware" else None,
                    max_body_bytes=options["max_body_bytes"], default_max_tokens=options["default_max_tokens"],
-                   enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                   enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                   lora_modules=options["lora_modules"],
+                   allow_runtime_lora_updating=options["allow_runtime_lora_updating"])
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
@@ -193,6 +195,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     if args.engine_max_restarts < 0:
         raise ValueError(f"--engine-max-restarts must be >= 0, got {args.engine_max_restarts}")
+    lora_modules = lora_module_paths(args)
     return dict(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                 timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
                 body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
@@ -200,7 +203,20 @@ def server_kwargs(args: argparse.Namespace) -> dict:
                 default_max_tokens=generation_config_max_tokens(args.override_generation_config),
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                 max_request_tokens=args.max_request_tokens, engine_max_restarts=args.engine_max_restarts,
-                engine_stall_timeout=args.engine_stall_timeout)
+                engine_stall_timeout=args.engine_stall_timeout, lora_modules=lora_modules,
+                allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+
+
+def lora_module_paths(args: argparse.Namespace) -> tuple:
+    """--lora-modules as LoRAModulePaths; ValueError for an entry that is not name=path or vLLM's
+    JSON form, and for the LoRA flags without --enable-lora (before the engine loads)."""
+    from pagedserve.entrypoints.openai.serving_models import parse_lora_module
+
+    for flag, given in (("--lora-modules", args.lora_modules), ("--allow-runtime-lora-updating",
+                                                                  args.allow_runtime_lora_updating)):
+        if given and not args.enable_lora:
+            raise ValueError(f"{flag} needs --enable-lora (the engine serves no LoRA adapters without it)")
+    return tuple(parse_lora_module(text) for text in args.lora_modules or ())
 
 
 def generation_config_max_tokens(override: str | None) -> int | None:
@@ -587,6 +603,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "when the chat template does not render them (default: hermes); auto: the one whose call "
                        "syntax the chat template writes (<tool_call>: hermes, <|python_tag|>: llama3_json), hermes "
                        "for a template that renders no tools")
+    lora = serve.add_argument_group("LoRA adapters (with --enable-lora; --max-loras, --max-lora-rank and "
+                                    "--max-cpu-loras size them)")
+    lora.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                      help="vLLM's flag: PEFT LoRA adapters to serve, each under its name (a request's model), "
+                      "as name=path or as JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; "
+                      "each is checked at start (a bad one stops the server)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which add and remove "
+                      "adapters while the server runs (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); without it those "
+                      "routes do not exist. A client that may call them can make the server read any directory "
+                      "it can: for trusted clients only")
     ray = serve.add_argument_group("replicas on Ray Serve (pip install 'pagedserve[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve N engine replicas on Ray Serve behind one OpenAI ingress (a local Ray instance, or "

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
@@ -28,8 +28,9 @@ from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, def
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
 from pagedserve.structured_output.manager import load_xgrammar
 from pagedserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
-    ModelList, ResponseModel, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
+    LoadLoRAAdapterRequest, ModelCard, ModelList, ResponseModel, TokenizeRequest, TokenizeResponse,
+    TokenizerInfoResponse, UnloadLoRAAdapterRequest,
 )
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -37,6 +38,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.serving_engine import (
     APIError, Drain, bad_request, engine_unavailable, server_error, shutting_down,
 )
+from pagedserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from pagedserve.entrypoints.openai.serving_responses import (
     DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses, ResponseStore,
 )
@@ -52,7 +54,7 @@ MODEL_ROUTES = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 ERROR_STATUSES = {
     400: "Invalid request: a field's type or value, a prompt too long for the context, a body that is not JSON",
     401: "Missing or wrong API key",
-    404: "Unknown model (or, on /v1/responses/{id}, unknown response)",
+    404: "Unknown model (or, on /v1/responses/{id}, unknown response; on /v1/unload_lora_adapter, unknown adapter)",
     408: "The request body did not arrive in time",
     413: "The request body is over the server's limit",
     500: "The engine failed while serving the request",
@@ -82,14 +84,17 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]} for status in statuses}
 
 
-def build_app(engine: EngineClient, served_model_name: str, api_key: str | None = None, *,
+def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels, api_key: str | None = None, *,
               max_body_bytes: int | None = None, body_timeout: float = http_server.DEFAULT_BODY_TIMEOUT,
               default_max_tokens: int | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, extra_collectors: tuple = (),
               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
-              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """An app serving a started engine. The caller owns the engine (start and shutdown).
 
+    served_model_name: the base model's name, or the served models (OpenAIServingModels: the base
+    model and LoRA adapters, which a request's `model` selects);
     max_body_bytes: the largest request body (default: what the longest prompt that can fit the
     context needs, limits.default_max_body_bytes); body_timeout: seconds a request's body may take
     to arrive; default_max_tokens: max_tokens for a request that sets none (vLLM's max_new_tokens
@@ -98,8 +103,9 @@ def build_app(engine: EngineClient, served_model_name: str, api_key: str | None 
     extra_collectors: more prometheus collectors for /metrics; max_request_tokens: the most tokens
     and logprob entries one request may ask for (limits.RequestWork; more is a 400);
     max_stored_responses: how many /v1/responses answers are kept for previous_response_id and GET
-    (the least recently used is dropped first). The app's drain (app.state.drain) is driven by
-    http_server.GracefulServer."""
+    (the least recently used is dropped first); allow_runtime_lora_updating: serve vLLM's POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (absent without it, as in vLLM). The app's
+    drain (app.state.drain) is driven by http_server.GracefulServer."""
     bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(bound and bound.max_chars)
@@ -114,11 +120,13 @@ def build_app(engine: EngineClient, served_model_name: str, api_key: str | None 
 
     app = _App(title="pagedserve", version=__version__, lifespan=lifespan)
     app.state.drain = drain
-    metrics = ServerMetrics(engine, served_model_name, extra_collectors)
+    models = (served_model_name if isinstance(served_model_name, OpenAIServingModels)
+              else OpenAIServingModels(engine, served_model_name))
+    metrics = ServerMetrics(engine, models.base_model_name, extra_collectors)
     shared = dict(executor=executor, prompt_bound=bound, default_max_tokens=default_max_tokens, drain=drain,
                   max_request_tokens=max_request_tokens)
-    completions = OpenAIServingCompletion(engine, served_model_name, **shared)
-    chat = OpenAIServingChat(engine, served_model_name, **shared, enable_auto_tool_choice=enable_auto_tool_choice,
+    completions = OpenAIServingCompletion(engine, models, **shared)
+    chat = OpenAIServingChat(engine, models, **shared, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser)
     responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
     auth = (401,) if api_key else ()
@@ -126,12 +134,21 @@ def build_app(engine: EngineClient, served_model_name: str, api_key: str | None 
 
     @v1.get("/models", responses=_errors(*auth, 503))
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=models.cards())
 
     @v1.get("/models/{model_id:path}", responses=_errors(*auth, 404, 503))
     async def retrieve_model(model_id: str) -> ModelCard:
-        completions.check_model(model_id)  # 404 with OpenAI's model_not_found
-        return ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
+        return models.card(model_id)  # 404 with OpenAI's model_not_found
+
+    if allow_runtime_lora_updating:
+        @v1.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, *auth, 503))
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            return PlainTextResponse(await models.load(body.lora_name, body.lora_path, completions.run_blocking,
+                                                       replace=body.load_inplace))
+
+        @v1.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, *auth, 404, 503))
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            return PlainTextResponse(models.unload(body.lora_name))
 
     generation_errors = _errors(400, *auth, 404, 408, 413, 500, 503)
 
@@ -275,22 +292,32 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                engine_core: str = "process", enable_auto_tool_choice: bool = False,
                tool_call_parser: str | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
                engine_max_restarts: int = DEFAULT_MAX_RESTARTS,
-               engine_stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
+               engine_stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+               lora_modules: Sequence[LoRAModulePath] = (), allow_runtime_lora_updating: bool = False) -> None:
     """Serve until SIGTERM or SIGINT, which drain the server (http_server.GracefulServer) before it
     exits; a second signal exits at once. engine_core: "process" runs the core in a process of its
-    own, "thread" on a thread of this one (both behind `AsyncLLM`). If the core process dies
-    and cannot be restarted, the server stops and this raises SystemExit with an error (exit code 1),
-    so that a supervisor restarts the service."""
+    own, "thread" on a thread of this one (both behind `AsyncLLM`). lora_modules: LoRA adapters
+    served under their names, checked before the model loads (ValueError saying which and why);
+    allow_runtime_lora_updating: the routes that load and unload adapters while serving. If the
+    core process dies and cannot be restarted, the server stops and this raises SystemExit with an
+    error (exit code 1), so that a supervisor restarts the service."""
     engine = make_async_engine(config, engine_core, max_restarts=engine_max_restarts,
                                stall_timeout=engine_stall_timeout)
     name = served_model_name or config.model or EMBEDDED_MODEL_NAME
+    models = OpenAIServingModels(engine, name, lora_modules, base_model_path=config.model)
     engine.start()
     try:
-        app = build_app(engine, name, api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+        app = build_app(engine, models, api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                         default_max_tokens=default_max_tokens, enable_auto_tool_choice=enable_auto_tool_choice,
-                        tool_call_parser=tool_call_parser, max_request_tokens=max_request_tokens)
+                        tool_call_parser=tool_call_parser, max_request_tokens=max_request_tokens,
+                        allow_runtime_lora_updating=allow_runtime_lora_updating)
         server = http_server.make_server(app, host=host, port=port, timeout_keep_alive=timeout_keep_alive,
                                          header_timeout=header_timeout, shutdown_timeout=shutdown_timeout)
+        if allow_runtime_lora_updating:
+            logging.getLogger("uvicorn.error").warning(
+                "LoRA adapters can be loaded and unloaded at runtime (POST /v1/load_lora_adapter, "
+                "/v1/unload_lora_adapter): any client with access (and the API key, if set) can make the server "
+                "read a directory on this machine")
         dead: list[str] = []
 
         def stop(reason: str) -> None:  # on the engine's thread: uvicorn's loop reads the flag

@@ -103,12 +103,15 @@ class PrefixAwareRouter(RequestRouter):
         return queue_length(self, replica)
 
     def _hashes(self, pending_request: PendingRequest) -> list[bytes]:
-        """The chained hashes of the prompt's first full blocks, as the replicas' KV managers make them."""
+        """The chained hashes of the prompt's first full blocks, as the replicas' KV managers make them
+        (a LoRA adapter's blocks keyed apart from the base model's and other adapters', as there)."""
         args = pending_request.args  # (ReplicaRequest,) for generate; () for the replicas' other methods
         tokens = args[0].prompt_token_ids if args else []
+        adapter = args[0].lora_request if args else None
+        extra = None if adapter is None else ("lora", adapter.lora_int_id)
         bs, hashes = self.block_size, []
         for i in range(min(len(tokens) // bs, self.max_blocks)):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], extra))
         return hashes
 
 

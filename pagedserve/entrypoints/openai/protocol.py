@@ -551,6 +551,21 @@ class DetokenizeRequest(RequestModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    """vLLM's POST /v1/load_lora_adapter: serve the adapter in `lora_path` (a PEFT directory on the
+    server's machine) under the model name `lora_name`; `load_inplace` replaces an adapter of that name."""
+
+    lora_name: Annotated[str, ValidUnicode] = Field(min_length=1)
+    lora_path: Annotated[str, ValidUnicode] = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: Annotated[str, ValidUnicode] = Field(min_length=1)
+
+
 # ---- responses -------------------------------------------------------------------------------
 
 
@@ -570,6 +585,8 @@ class ModelCard(ResponseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
+    root: str | None = None  # vLLM's: the model's path (a LoRA adapter's directory)
+    parent: str | None = None  # vLLM's: the base model a LoRA adapter adapts (None for the base)
     max_model_len: int
 
 

@@ -9,16 +9,22 @@ Serve's default (power of two choices), or pagedserve's prefix-cache-aware one
 (`prefix_router.PrefixAwareRouter`). Ray does placement, health checks, restarts and autoscaling.
 
 The ingress tokenizes (as the single-process server does), so a replica receives token ids and
-the router can hash the prompt's first blocks.
+the router can hash the prompt's first blocks. LoRA adapters are the ingress's to name and check
+(`OpenAIServingModels`, against the model's config, before any replica starts for --lora-modules);
+a request carries its adapter to whichever replica takes it, which reads it on first use. Unloading
+reaches no replica (a handle cannot address them all): the registry forgets the name, and replicas
+drop the adapter from host memory as others push it out (least recently used); ids are never
+reused, so a stale copy is never mistaken for a new adapter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,9 +32,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.input_processor import check_adapter
 from pagedserve.engine.protocol import EngineError, EngineStatsSnapshot
 from pagedserve.entrypoints.openai.router_stats import DECISIONS, QUEUE_LENGTH, REPLICA_STATS, ROUTED
+from pagedserve.entrypoints.openai.serving_models import LoRAModulePath
 from pagedserve.kv import KVCacheStats
+from pagedserve.lora.request import LoRARequest
+from pagedserve.models.config import ModelConfig
+from pagedserve.models.loader import load_config
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -52,6 +63,7 @@ class ReplicaRequest:
     params: SamplingParams
     request_id: str
     prompt_text: str | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def prompt(self) -> str:
@@ -80,7 +92,7 @@ class EngineReplica:
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestOutput]:
         async for output in self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
-                                                 prompt_text=request.prompt_text):
+                                                 prompt_text=request.prompt_text, lora_request=request.lora_request):
             yield output
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -110,6 +122,12 @@ class ReplicaPool:
     def health_problem(self) -> str | None:
         return None  # Ray Serve restarts a replica that fails its health check
 
+    def check_lora(self, adapter: LoRARequest) -> None:
+        check_lora(self.config, adapter)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Nothing to tell the replicas: see the module's docstring."""
+
     def stats_by_replica(self) -> dict[str, EngineStatsSnapshot]:
         """Each live replica's latest figures, by its unique id (refreshed each second)."""
         return {replica: EngineStatsSnapshot(**{**stats, "kv": KVCacheStats(**stats["kv"])})
@@ -119,7 +137,8 @@ class ReplicaPool:
         self._hooks = (*self._hooks, hook)
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request from the replica the router picks. A refused request raises
         ValueError, a replica's fault EngineError, as the in-process engine does. When the replica
         dies before the request streamed anything, the request goes to another replica (the router
@@ -129,7 +148,8 @@ class ReplicaPool:
         output = None
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
-                stream = self.handle.generate.remote(ReplicaRequest(list(prompt), params, request_id, prompt_text))
+                stream = self.handle.generate.remote(ReplicaRequest(list(prompt), params, request_id, prompt_text,
+                                                                    lora_request))
                 try:
                     async for output in stream:
                         yield output
@@ -147,6 +167,18 @@ class ReplicaPool:
             if output is not None and output.finished:
                 for hook in self._hooks:
                     hook(output)
+
+
+@functools.lru_cache(maxsize=4)
+def _model_config(model: str | None) -> ModelConfig:
+    return load_config(model)
+
+
+def check_lora(config: EngineConfig, adapter: LoRARequest) -> None:
+    """ValueError unless the replicas (all built from `config`) can serve `adapter`: checked where
+    the registry lives, against the model's config (the adapter's directory must be readable there
+    and on the replicas' machines alike)."""
+    check_adapter(adapter, config, _model_config(config.model))
 
 
 class RouterCollector:
@@ -175,13 +207,20 @@ class RouterCollector:
 def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | None = None, *,
                   num_replicas: int = 1, autoscale: tuple[int, int] | None = None, replica_cpus: int | None = None,
                   router: str = "prefix-aware", router_kwargs: dict | None = None,
-                  autoscaling_options: dict | None = None, **app_options) -> Any:
+                  autoscaling_options: dict | None = None, lora_modules: Sequence[LoRAModulePath] = (),
+                  **app_options) -> Any:
     """The Serve application: `num_replicas` engine replicas (or autoscaled between the bounds of
     `autoscale`) behind the OpenAI ingress. replica_cpus: the CPUs each replica reserves and
     computes on (default: this machine's cores shared among the most replicas there can be);
     router: a key of ROUTERS, router_kwargs its options; autoscaling_options: more fields of Ray
-    Serve's AutoscalingConfig (upscale_delay_s, look_back_period_s, ...), over ours."""
+    Serve's AutoscalingConfig (upscale_delay_s, look_back_period_s, ...), over ours; lora_modules:
+    LoRA adapters served by name, checked here (ValueError) before anything is deployed."""
     from ray.serve.config import RequestRouterConfig
+
+    from pagedserve.entrypoints.openai.serving_models import OpenAIServingModels
+
+    if lora_modules:
+        OpenAIServingModels(_Checker(config), served_model_name, lora_modules)
 
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
@@ -215,7 +254,8 @@ def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | N
         with ThreadPoolExecutor(1) as pool:
             info = pool.submit(lambda: handle.info.remote().result()).result()
         pool = ReplicaPool(handle, load_tokenizer(config.model), info, config)
-        return build_app(pool, served_model_name, api_key, extra_collectors=(RouterCollector(),), **app_options)
+        models = OpenAIServingModels(pool, served_model_name, lora_modules, base_model_path=config.model)
+        return build_app(pool, models, api_key, extra_collectors=(RouterCollector(),), **app_options)
 
     # The ingress only forwards: Serve's default cap of 5 ongoing requests would queue the rest at
     # the proxy while the replicas idle. The replicas' own caps bound the work in flight.
@@ -226,6 +266,16 @@ def build_ray_app(config: EngineConfig, served_model_name: str, api_key: str | N
             self.replicas = replicas  # bound so that Serve deploys them with the ingress
 
     return OpenAIIngress.bind(replicas)
+
+
+@dataclasses.dataclass
+class _Checker:
+    """Checks adapters against the model as ReplicaPool does, before there are replicas."""
+
+    config: EngineConfig
+
+    def check_lora(self, adapter: LoRARequest) -> None:
+        check_lora(self.config, adapter)
 
 
 def run_ray_server(config: EngineConfig, served_model_name: str, *, host: str = "127.0.0.1", port: int = 8000,

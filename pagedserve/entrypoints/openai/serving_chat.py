@@ -20,7 +20,7 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
-    SSE_DONE, APIError, OpenAIServing, Prompt, StreamState, bad_request, random_id, sse,
+    SSE_DONE, Answerer, APIError, OpenAIServing, Prompt, StreamState, bad_request, random_id, sse,
 )
 from pagedserve.entrypoints.openai.tool_parsers import (
     CallArguments, CallStart, CallStream, Event, FirstCallOnly, HermesToolParser, NamedCallStream, PlainStream,
@@ -57,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         self.call_format = self.tool_parser or HermesToolParser()
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
-        self.check_model(request.model)
+        adapter = self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self.check_tools(request)
@@ -81,11 +81,13 @@ class OpenAIServingChat(OpenAIServing):
         if strict_calls is not None:
             params = dataclasses.replace(params, structured_outputs=strict_calls)
         request_id = random_id("chatcmpl")
-        outputs = self.generate([prompt], params, request_id, "messages", request.constraint_field())
+        outputs = self.generate([prompt], params, request_id, "messages", request.constraint_field(), adapter)
         # Wait for the first output before answering, so a refused prompt is still an HTTP error.
         _, output = await anext(outputs)
+        answered = self.answerer(request.model, adapter)
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, output, outputs), media_type="text/event-stream")
+            return StreamingResponse(self._stream(request, request_id, answered, output, outputs),
+                                     media_type="text/event-stream")
         async with aclosing(outputs):
             async for _, output in outputs:  # outputs are cumulative: the last one is the answer
                 pass
@@ -102,8 +104,8 @@ class OpenAIServingChat(OpenAIServing):
                                                 finish_reason=calls.finish_reason(o.finish_reason),
                                                 stop_reason=o.stop_reason,
                                                 logprobs=self._logprobs(request, o.token_ids, o.logprobs)))
-        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=_usage(output),
-                                          system_fingerprint=self.system_fingerprint)
+        response = ChatCompletionResponse(id=request_id, model=answered.model, choices=choices, usage=_usage(output),
+                                          system_fingerprint=answered.fingerprint)
         return await self.respond(response)
 
     def check_tools(self, request: ChatCompletionRequest) -> None:
@@ -184,7 +186,7 @@ class OpenAIServingChat(OpenAIServing):
             content.append(ChatCompletionLogProb(**top(sampled).model_dump(), top_logprobs=[top(lp) for lp in best]))
         return ChatCompletionLogProbs(content=content)
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, first: RequestOutput,
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, answered: Answerer, first: RequestOutput,
                       outputs: AsyncIterator[tuple[int, RequestOutput]]):
         created = int(time.time())
         states = [StreamState() for _ in first.outputs]
@@ -193,8 +195,8 @@ class OpenAIServingChat(OpenAIServing):
         final = first
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
-                                           usage=usage, system_fingerprint=self.system_fingerprint))
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=answered.model, choices=choices,
+                                           usage=usage, system_fingerprint=answered.fingerprint))
 
         def chunks(output: RequestOutput):
             for o in output.outputs:

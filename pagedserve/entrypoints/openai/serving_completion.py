@@ -24,7 +24,7 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
-    SSE_DONE, APIError, OpenAIServing, Prompt, StreamState, bad_request, random_id, sse,
+    SSE_DONE, Answerer, APIError, OpenAIServing, Prompt, StreamState, bad_request, random_id, sse,
 )
 from pagedserve.outputs import Logprob, RequestOutput, SampleLogprobs
 
@@ -40,7 +40,7 @@ class _Echo:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> Response:
-        self.check_model(request.model)
+        adapter = self.check_model(request.model)
         prompt_only = request.max_tokens == 0
         if prompt_only and not request.echo:
             raise bad_request("max_tokens must be >= 1, or 0 with echo true (the prompt alone, scored)", "max_tokens")
@@ -69,15 +69,16 @@ class OpenAIServingCompletion(OpenAIServing):
         # The engine generates at least one token; a prompt-only answer leaves it out.
         params = await self.sampling_params(request, max(max_tokens, 1), request.logprobs, prompt_logprobs)
         request_id = random_id("cmpl")
-        outputs = self.generate(prompts, params, request_id, "prompt", request.constraint_field())
+        outputs = self.generate(prompts, params, request_id, "prompt", request.constraint_field(), adapter)
         if prompt_only:
             outputs = _without_generation(outputs)
         # Wait for the first output before answering, so a refused prompt is still an HTTP error.
         first = await anext(outputs)
         echoes = ((await self.run_blocking(self._echoes, prompts, request.logprobs is not None))
                   if request.echo else [None] * len(prompts))
+        answered = self.answerer(request.model, adapter)
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, echoes, first, outputs),
+            return StreamingResponse(self._stream(request, request_id, answered, echoes, first, outputs),
                                      media_type="text/event-stream")
         final = {first[0]: first[1]}
         async with aclosing(outputs):
@@ -85,8 +86,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 final[i] = output
         choices = [choice for i in range(len(prompts))
                    for choice in self._choices(request, i, final[i], echoes[i])]
-        response = CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=_usage(final.values()), system_fingerprint=self.system_fingerprint)
+        response = CompletionResponse(id=request_id, model=answered.model, choices=choices,
+                                      usage=_usage(final.values()), system_fingerprint=answered.fingerprint)
         return await self.respond(response)
 
     def _tokenize_all(self, prompts: list[str | list[int]]) -> list[Prompt]:
@@ -134,7 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs=_prompt_logprobs(output, request.prompt_logprobs)))
         return choices
 
-    async def _stream(self, request: CompletionRequest, request_id: str, echoes: list[_Echo | None],
+    async def _stream(self, request: CompletionRequest, request_id: str, answered: Answerer, echoes: list[_Echo | None],
                       first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]):
         created = int(time.time())
         n = request.n or 1
@@ -163,8 +164,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = CompletionChoice(
                     index=k, text=text, logprobs=logprobs, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                     prompt_logprobs=_prompt_logprobs(output, request.prompt_logprobs) if opening else None)
-                yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice],
-                                             system_fingerprint=self.system_fingerprint))
+                yield sse(CompletionResponse(id=request_id, created=created, model=answered.model, choices=[choice],
+                                             system_fingerprint=answered.fingerprint))
 
         async with aclosing(outputs):
             try:
@@ -174,9 +175,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     for chunk in chunks(i, output):
                         yield chunk
                 if request.include_usage:
-                    yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
-                                                 usage=_usage(final.values()),
-                                                 system_fingerprint=self.system_fingerprint))
+                    yield sse(CompletionResponse(id=request_id, created=created, model=answered.model, choices=[],
+                                                 usage=_usage(final.values()), system_fingerprint=answered.fingerprint))
             except APIError as e:  # the status is sent already: the error goes in the stream
                 yield sse(e.body)
         yield SSE_DONE

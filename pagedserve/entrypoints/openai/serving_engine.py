@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import json
 import uuid
@@ -14,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic_core import PydanticSerializationError
@@ -25,8 +24,12 @@ from pagedserve.engine.protocol import EngineClient, EngineError, EngineUnavaila
 from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, PromptBound, RequestWork
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ResponseModel, SamplingRequest
 from pagedserve.entrypoints.openai.tool_parsers import escape_lone_surrogates
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import ParameterError, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.entrypoints.openai.serving_models import OpenAIServingModels
 
 T = TypeVar("T")
 # One prompt as the engine takes it: (its text when known, its token ids).
@@ -95,11 +98,13 @@ class Drain:
         return self._aborted_future
 
 
-def system_fingerprint(engine: EngineClient, model_name: str) -> str:
-    """OpenAI's system_fingerprint: the same for every answer of one build serving one model with one
-    configuration, different when any of them changes (so a client can tell why outputs changed)."""
+def system_fingerprint(engine: EngineClient, model_name: str, adapter: LoRARequest | None = None) -> str:
+    """OpenAI's system_fingerprint: the same for every answer of one build serving one model (and
+    LoRA adapter) with one configuration, different when any of them changes (so a client can tell
+    why outputs changed)."""
     config = engine.config
     facts = {"version": __version__, "model": model_name,
+             "adapter": None if adapter is None else [adapter.lora_name, adapter.lora_int_id, adapter.lora_path],
              "tokenizer": getattr(engine.tokenizer, "name_or_path", None),
              "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None,
              "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
@@ -153,6 +158,15 @@ def _json_bytes(content) -> bytes:
         return escape_lone_surrogates(text).encode()
 
 
+@dataclass(frozen=True)
+class Answerer:
+    """Who answers a request, as its response says: the model name the client asked for (a LoRA
+    adapter's or the base model's) and that model's system_fingerprint."""
+
+    model: str
+    fingerprint: str
+
+
 @dataclass
 class StreamState:
     """What a stream has sent of one choice."""
@@ -179,20 +193,34 @@ class OpenAIServing:
     prompt delays no other client. `prompt_bound` (limits.prompt_bound) refuses a prompt that
     cannot fit before it is tokenized at all; None turns that check off."""
 
-    def __init__(self, engine: EngineClient, model_name: str, *, executor: Executor | None = None,
+    def __init__(self, engine: EngineClient, models: OpenAIServingModels | str, *, executor: Executor | None = None,
                  prompt_bound: PromptBound | None = None, default_max_tokens: int | None = None,
                  drain: Drain | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
+        """models: the served models (the base model and its LoRA adapters), or the base model's name alone."""
+        from pagedserve.entrypoints.openai.serving_models import OpenAIServingModels  # it raises this module's errors
+
         self.engine = engine
-        self.model_name = model_name
+        self.models = models if isinstance(models, OpenAIServingModels) else OpenAIServingModels(engine, models)
         self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedserve-tokenizer")
         self.prompt_bound = prompt_bound
         self.default_max_tokens = default_max_tokens  # the operator's, for a request that sets none
         self.drain = drain or Drain()
         self.max_request_tokens = max_request_tokens  # the work one request may ask for (limits.RequestWork)
+        self._fingerprints: dict[LoRARequest | None, str] = {}
 
-    @functools.cached_property
-    def system_fingerprint(self) -> str:
-        return system_fingerprint(self.engine, self.model_name)
+    @property
+    def model_name(self) -> str:
+        """The base model's name."""
+        return self.models.base_model_name
+
+    def system_fingerprint(self, adapter: LoRARequest | None = None) -> str:
+        """OpenAI's system_fingerprint of the answers of the base model or of an adapter."""
+        fingerprint = self._fingerprints.get(adapter)
+        if fingerprint is None:
+            if len(self._fingerprints) >= 64:  # adapters come and go at runtime: keep a bounded few
+                self._fingerprints.clear()
+            fingerprint = self._fingerprints[adapter] = system_fingerprint(self.engine, self.model_name, adapter)
+        return fingerprint
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the executor: for tokenizer work, which must not block the event loop."""
@@ -231,9 +259,13 @@ class OpenAIServing:
         room = self.engine.max_model_len - num_prompt_tokens
         return room if self.default_max_tokens is None else min(self.default_max_tokens, room)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    def answerer(self, model: str | None, adapter: LoRARequest | None) -> Answerer:
+        return Answerer(model or self.model_name, self.system_fingerprint(adapter))
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); a 404 with OpenAI's
+        model_not_found for a model the server does not serve."""
+        return self.models.resolve(model)
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
         """The prompt plus the tokens asked for must fit the context (vLLM's wording)."""
@@ -267,14 +299,16 @@ class OpenAIServing:
         return params
 
     async def generate(self, prompts: list[Prompt], params: SamplingParams, request_id: str,
-                       param: str, constraint_field: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every prompt as its own engine request; yield (prompt index, cumulative output) as
-        outputs arrive. Errors come out as APIError (one the engine pins on the constraint names
-        `constraint_field`, where it came from); closing the iterator aborts what is left, and so
-        does the drain's abort (then the error is a 503)."""
+                       param: str, constraint_field: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every prompt as its own engine request (under `lora_request`'s adapter, or the base
+        model); yield (prompt index, cumulative output) as outputs arrive. Errors come out as
+        APIError (one the engine pins on the constraint names `constraint_field`, where it came
+        from); closing the iterator aborts what is left, and so does the drain's abort (then the
+        error is a 503)."""
         if self.drain.aborted:
             raise shutting_down()
-        requests = [self.engine.generate(ids, params, f"{request_id}-{i}", prompt_text=text)
+        requests = [self.engine.generate(ids, params, f"{request_id}-{i}", prompt_text=text, lora_request=lora_request)
                     for i, (text, ids) in enumerate(prompts)]
         merged = merge_async_iterators(*requests, until=self.drain.aborted_future())
         async with aclosing(merged) as outputs:

@@ -129,7 +129,7 @@ class OpenAIServingResponses:
         return JSONResponse(DeletedResponse(id=response_id).model_dump())
 
     def _chat_request(self, request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
-        body: dict[str, Any] = {"model": self.chat.model_name, "messages": messages, "stream": True,
+        body: dict[str, Any] = {"model": request.model, "messages": messages, "stream": True,
                                 "stream_options": {"include_usage": True}}
         given = {"max_completion_tokens": request.max_output_tokens, "temperature": request.temperature,
                  "top_p": request.top_p, "tool_choice": request.chat_tool_choice(),
@@ -161,8 +161,8 @@ class OpenAIServingResponses:
             echoed["text"] = {"format": request.text.format.echo()}
         tools = [{**tool.model_dump(exclude_none=True, exclude={"defer_loading"}), "strict": tool.strict is not False}
                  for tool in request.tools or []]
-        return ResponseObject(id=f"resp_{uuid.uuid4().hex}", status="in_progress", model=self.chat.model_name,
-                              tools=tools, tool_choice=request.echoed_tool_choice(),
+        model = request.model or self.chat.model_name  # an adapter's name, when the request names one
+        return ResponseObject(id=f"resp_{uuid.uuid4().hex}", status="in_progress", model=model, tools=tools, tool_choice=request.echoed_tool_choice(),
                               **{name: value for name, value in echoed.items() if value is not None})
 
     async def _stream(self, request: ResponsesRequest, conversation: tuple[dict[str, Any], ...],

@@ -25,8 +25,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pagedserve.config import EngineConfig
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.entrypoints.openai.ray_app import APP_NAME, build_ray_app
+from pagedserve.entrypoints.openai.serving_models import LoRAModulePath
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from tests.conftest import randomize_
+from tests.lora.lora_fixtures import make_peft_adapter
 from tests.entrypoints.openai.server_harness import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -293,6 +296,37 @@ def test_serve_ray_runs_a_tensor_parallel_replica_and_sigterm_takes_it_all_down(
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_lora_adapters_reach_the_replicas(ray_serve, checkpoint, tmp_path):
+    """An adapter named at start and one loaded at runtime: each request reaches a replica with its
+    adapter and gets the offline engine's answer under it; an unloaded name is a 404."""
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    paths = {name: str(make_peft_adapter(hf_model, tmp_path / name, rank=8, alpha=16, seed=seed))
+             for name, seed in (("alpha", 1), ("beta", 2))}
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    prompt, params = "The capital of France is", SamplingParams(max_tokens=8, temperature=0)
+    with LLM(checkpoint, num_kv_blocks=128, **lora) as offline:
+        expected = {name: offline.generate([prompt], params, use_tqdm=False, lora_request=None if name is None else
+                                           LoRARequest(name, i + 1, paths[name]))[0].outputs[0].text
+                    for i, name in enumerate((None, "alpha", "beta"))}
+    assert len(set(expected.values())) == 3
+    serve.delete(APP_NAME)
+    deploy(ray_serve, checkpoint, "lora", lora_modules=[LoRAModulePath("alpha", paths["alpha"])],
+           allow_runtime_lora_updating=True, engine={"num_kv_blocks": 128, "max_model_len": 1024, **lora})
+    client = openai.OpenAI(base_url=f"{ray_serve}/v1", api_key="unused", max_retries=0)
+
+    def complete(model: str) -> str:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+    assert [m.id for m in client.models.list().data] == [MODEL, "alpha"]
+    assert (complete("alpha"), complete(MODEL)) == (expected["alpha"], expected[None])
+    loaded = httpx.post(f"{ray_serve}/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": paths["beta"]})
+    assert loaded.status_code == 200
+    assert complete("beta") == expected["beta"]
+    assert httpx.post(f"{ray_serve}/v1/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete("beta")
 
 
 def test_autoscale_adds_a_replica_under_load(ray_serve, checkpoint):
