@@ -32,8 +32,10 @@ STALL_TIMEOUT = 3.0  # short, for the stopped-core test; a step of these tests t
 
 @pytest.fixture(scope="module")
 def process_server(embedded_tokenizer):
-    # The front shares the session's tokenizer; the core process loads the model itself.
-    engine = AsyncLLM(EngineConfig(num_kv_blocks=512, max_model_len=2048), tokenizer=embedded_tokenizer,
+    # The front shares the session's tokenizer; the core process loads the model itself, dequantized as
+    # the offline reference's copy is (the GGUF's own formats round differently on some CPUs).
+    engine = AsyncLLM(EngineConfig(num_kv_blocks=512, max_model_len=2048, quantization="none"),
+                      tokenizer=embedded_tokenizer,
                       stall_timeout=STALL_TIMEOUT)
     engine.start()
     try:
