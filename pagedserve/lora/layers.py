@@ -176,6 +176,9 @@ class LoRAStack:
         if self.use_kernel and x.dtype == self.at.dtype:
             lora_cpu.lora_add(x.contiguous(), out, self.batch.slots, self.at, self.bt, self.ranks, self.part_ends)
             return
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # The grouping is the step's, made on the host: a CUDA graph would replay the capture's.
+            raise RuntimeError("LoRA deltas in torch cannot be captured in a CUDA graph: run with enforce_eager")
         groups = self.batch.groups(rows)
         if groups is None:
             return
