@@ -9,12 +9,15 @@ Parts:
     having LoRA on costs a server whose traffic is mostly the base model's);
   - "N adapters": the same engine, request i under adapter i mod N (`num_adapters` random
     rank-`rank` adapters on all 7 projections), every adapter in a slot (max_loras = N), so
-    each step mixes them all.
+    each step mixes them all;
+  - "N adapters, one at a time": the same requests, one adapter's requests after another's (a
+    batch per adapter), as a server that runs one adapter at a time would: the batching that mixing
+    adapters in a step buys.
   Systems take turns within each repetition (prefix cache reset before each run); ratios are
   taken within a repetition and the table gives medians. The LoRA engine's base requests must
-  give the base engine's greedy tokens (counted per row; the CLI fails otherwise), and the
-  adapters' outputs are counted where they differ from the base model's (an adapter that changes
-  nothing would be a broken bench).
+  give the base engine's greedy tokens (counted per row), and the adapters' requests the same
+  tokens mixed as one adapter at a time (the CLI fails otherwise); the adapters' outputs are counted
+  where they differ from the base model's (an adapter that changes nothing would be a broken bench).
 - load: one adapter read from disk into host memory (`load_adapter`: safetensors, checks, scaling,
   dtype) and copied from there into a free slot (`load_slot`), each timed `load_reps` times on
   the LoRA engine's model; the table gives medians.
@@ -90,17 +93,24 @@ def _engine(loaded, tokenizer, **kwargs):
     return LLM.from_engine(LLMEngine(EngineConfig(**kwargs), model=loaded, tokenizer=tokenizer))
 
 
-def _run(llm, workload: Workload, adapters: list) -> dict:
-    """One timed generate of the whole workload (adapters: one per request, or None)."""
+def _run(llm, workload: Workload, adapters: list | None, one_at_a_time: bool = False) -> dict:
+    """One timed run of the whole workload (adapters: one per request, or None): one generate call,
+    or with `one_at_a_time` one call per adapter, in turn."""
     from pagedserve.sampling_params import SamplingParams
 
     llm.reset_prefix_cache()
     params = SamplingParams(max_tokens=workload.requests[0].output_len, temperature=0.0, ignore_eos=True)
+    indices = list(range(len(workload.requests)))
+    groups = [[i for i in indices if adapters[i] == a] for a in dict.fromkeys(adapters)] if one_at_a_time \
+        else [indices]
+    answers: list = [None] * len(indices)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests], params,
-                           use_tqdm=False, lora_request=adapters)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "answers": [list(o.outputs[0].token_ids) for o in outputs]}
+    for group in groups:
+        outputs = llm.generate([{"prompt_token_ids": workload.requests[i].prompt_token_ids} for i in group], params,
+                               use_tqdm=False, lora_request=None if adapters is None else [adapters[i] for i in group])
+        for i, o in zip(group, outputs):
+            answers[i] = list(o.outputs[0].token_ids)
+    return {"seconds": time.perf_counter() - start, "answers": answers}
 
 
 def throughput_part(model_path, tokenizer, engine_kwargs: dict, workload: Workload, adapters: list,
@@ -110,15 +120,17 @@ def throughput_part(model_path, tokenizer, engine_kwargs: dict, workload: Worklo
     engines = {BASE: _engine(_load(model_path, engine_kwargs), tokenizer, **engine_kwargs),
                "lora": _lora_engine(model_path, tokenizer, engine_kwargs, adapters)}
     per_request = [adapters[i % len(adapters)] for i in range(len(workload.requests))]
-    systems = {BASE: (engines[BASE], None), LORA_BASE: (engines["lora"], None),
-               f"{len(adapters)} adapters": (engines["lora"], per_request)}
-    for llm, lora in systems.values():  # warm: the first steps of an engine pay for lazy set-up
+    mixed = f"{len(adapters)} adapters"
+    systems = {BASE: (engines[BASE], None, False), LORA_BASE: (engines["lora"], None, False),
+               mixed: (engines["lora"], per_request, False),
+               f"{mixed}, one at a time": (engines["lora"], per_request, True)}
+    for llm, lora, _ in list(systems.values())[:3]:  # warm: the first steps of an engine pay for lazy set-up
         _run(llm, Workload("warm-up", workload.requests[:2]), None if lora is None else lora[:2])
     rows = {name: {"seconds": [], "ratios": [], "answers": None} for name in systems}
     for rep in range(reps):
         base_seconds = None
-        for name, (llm, lora) in systems.items():
-            r = _run(llm, workload, lora)
+        for name, (llm, lora, one_at_a_time) in systems.items():
+            r = _run(llm, workload, lora, one_at_a_time)
             base_seconds = r["seconds"] if name == BASE else base_seconds
             rows[name]["seconds"].append(r["seconds"])
             rows[name]["ratios"].append(base_seconds / r["seconds"])
@@ -135,8 +147,10 @@ def throughput_part(model_path, tokenizer, engine_kwargs: dict, workload: Worklo
                          "tps_ratio": statistics.median(row["ratios"]),
                          "same_as_base": same, "requests": len(base_answers)})
     identical = next(r for r in out_rows if r["system"] == LORA_BASE)["same_as_base"] == len(base_answers)
+    # Greedy tokens do not depend on the batch: an adapter's requests alone get what they got mixed.
+    batch_invariant = rows[mixed]["answers"] == rows[f"{mixed}, one at a time"]["answers"]
     return {"workload": workload.describe(), "reps": reps, "rows": out_rows, "base_requests_identical": identical,
-            "engine": engine_kwargs}, engines["lora"]
+            "adapters_batch_invariant": batch_invariant, "engine": engine_kwargs}, engines["lora"]
 
 
 def _load(model_path: str, engine_kwargs: dict):
@@ -178,7 +192,7 @@ def load_part(llm, adapter, reps: int) -> dict:
 
 
 def run_lora_bench(parts=("throughput", "load"), num_adapters: int = 8, rank: int = 16, num_requests: int = 32,
-                   prompt_len: int = 128, output_len: int = 128, reps: int = 3, load_reps: int = 10,
+                   prompt_len: int = 128, output_len: int = 128, reps: int = 5, load_reps: int = 10,
                    model: str | None = None, dtype: str = "float32", quantization: str = "auto",
                    max_num_seqs: int = 256, seed: int = 0, log=print) -> dict:
     from pagedserve.lora.request import LoRARequest
@@ -202,7 +216,9 @@ def run_lora_bench(parts=("throughput", "load"), num_adapters: int = 8, rank: in
         if "load" in parts:
             lora_engine = lora_engine or _lora_engine(path, tokenizer, engine_kwargs, adapters)
             report["load"] = load_part(lora_engine, adapters[0], load_reps)
-    report["all_identical"] = report.get("throughput", {}).get("base_requests_identical", True)
+    throughput = report.get("throughput", {})
+    report["all_identical"] = throughput.get("base_requests_identical", True) and \
+        throughput.get("adapters_batch_invariant", True)
     return report
 
 
@@ -217,7 +233,8 @@ def markdown_table(report: dict) -> str:
         for r in t["rows"]:
             lines.append(f"| {r['system']} | {r['output_tps']:.1f} | {r['tps_ratio']:.3f} | "
                          f"{r['same_as_base']}/{r['requests']} |")
-        lines.append("")
+        lines += ["", "Adapters' greedy tokens mixed = one adapter at a time: "
+                  f"{'yes' if t['adapters_batch_invariant'] else 'NO'}", ""]
     if "load" in report:
         ld = report["load"]
         lines += [f"adapter load ({ld['adapter_bytes'] / 2**20:.1f} MiB in the model's dtype), medians of "
@@ -235,9 +252,9 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["throughput"]["rows"]
-    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.bar(range(len(rows)), [r["output_tps"] for r in rows], color=["tab:grey"] + ["tab:blue"] * (len(rows) - 1))
-    ax.set_xticks(range(len(rows)), [r["system"] for r in rows], fontsize=8)
+    ax.set_xticks(range(len(rows)), [r["system"].replace(", ", ",\n") for r in rows], fontsize=7)
     ax.set_ylabel("output tokens/s")
     ax.set_title(report["throughput"]["workload"], fontsize=8)
     ax.grid(axis="y", alpha=0.3)

@@ -882,7 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "i mod N")
     lora.add_argument("--prompt-len", type=positive(int), default=128)
     lora.add_argument("--output-len", type=positive(int), default=128)
-    lora.add_argument("--reps", type=positive(int), default=3, help="throughput: repetitions, systems in turn")
+    lora.add_argument("--reps", type=positive(int), default=5, help="throughput: repetitions, systems in turn")
     lora.add_argument("--load-reps", type=positive(int), default=10, help="load: repetitions (medians)")
     lora.add_argument("--seed", type=int, default=0)
     lora.add_argument("--out-dir", default=None, help="write bench_lora.md here")
