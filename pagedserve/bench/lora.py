@@ -194,12 +194,13 @@ def load_part(llm, adapter, reps: int) -> dict:
 def run_lora_bench(parts=("throughput", "load"), num_adapters: int = 8, rank: int = 16, num_requests: int = 32,
                    prompt_len: int = 128, output_len: int = 128, reps: int = 5, load_reps: int = 10,
                    model: str | None = None, dtype: str = "float32", quantization: str = "auto",
-                   max_num_seqs: int = 256, seed: int = 0, log=print) -> dict:
+                   max_num_seqs: int = 256, seed: int = 0, tokenizer=None, log=print) -> dict:
+    """The parts' reports (module docstring). `tokenizer`: the model's by default."""
     from pagedserve.lora.request import LoRARequest
     from pagedserve.models.loader import load_config, load_tokenizer, resolve_model_path
 
     path = resolve_model_path(model)
-    model_config, tokenizer = load_config(path), load_tokenizer(model)
+    model_config, tokenizer = load_config(path), tokenizer or load_tokenizer(model)
     engine_kwargs = {"model": model, "dtype": dtype, "quantization": quantization, "max_num_seqs": max_num_seqs,
                      "max_model_len": prompt_len + output_len, "seed": seed}
     report: dict = {"parts": list(parts), "model": path,
