@@ -154,3 +154,68 @@ def test_an_adapter_removed_then_given_another_path_serves_the_new_one(lora_mode
     second = LoRARequest("mine", 7, adapters["r16"].lora_path)
     assert generate(llm, prompts, [(0, "mine")], {"mine": second}) == [reference[0, "r16"]]
     assert_all_free(llm)
+
+
+# ---- with the engine's other features, on a tiny model --------------------------------------------
+
+TINY_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint, tiny_adapter):
+    """The tiny Llama's path, its transformers model, two adapters, and prompts that repeat
+    themselves (n-gram drafts find matches)."""
+    path, hf_model = tiny_checkpoint("llama")
+    adapters = [LoRARequest("r4", 1, str(tiny_adapter("r4"))), LoRARequest("rs", 2, str(tiny_adapter("r8-rslora")))]
+    gen = torch.Generator().manual_seed(3)
+    prompts = []
+    for n in (6, 9, 13):
+        chunk = torch.randint(3, hf_model.config.vocab_size, (n,), generator=gen).tolist()
+        prompts.append(chunk * 3)
+    return path, hf_model, adapters, prompts
+
+
+def tiny_reference(tiny, per_prompt, prompts=None):
+    from tests.models.test_llama import hf_greedy
+
+    _, hf_model, _, tiny_prompts = tiny
+    prompts = prompts or tiny_prompts
+    merged = {a: merged_reference(hf_model, a.lora_path) for a in set(per_prompt) if a is not None}
+    return [hf_greedy(hf_model if a is None else merged[a], p, TINY_TOKENS) for p, a in zip(prompts, per_prompt)]
+
+
+def tiny_generate(llm, prompts, per_prompt):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=TINY_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False,
+                           lora_request=per_prompt)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_ngram_speculation_verifies_drafts_under_each_requests_adapter(tiny, embedded_tokenizer):
+    path, _, adapters, prompts = tiny
+    per_prompt = [adapters[0], None, adapters[1]]
+    llm = LLM.from_engine(LLMEngine(EngineConfig(
+        model=str(path), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, max_model_len=128,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+        tokenizer=embedded_tokenizer))
+    assert tiny_generate(llm, prompts, per_prompt) == tiny_reference(tiny, per_prompt)
+    assert llm.get_metrics()["spec_num_draft_tokens"] > 0
+    assert_all_free(llm)
+
+
+def test_the_kv_tier_keeps_each_adapters_blocks_apart_across_a_restart(tiny, embedded_tokenizer, tmp_path):
+    path, _, adapters, prompts = tiny
+    settings = dict(model=str(path), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64,
+                    max_model_len=128, kv_offload_dir=str(tmp_path))
+    with LLM.from_engine(LLMEngine(EngineConfig(**settings), tokenizer=embedded_tokenizer)) as first:
+        tiny_generate(first, prompts[2:], [adapters[0]])  # its blocks go to the tier at shutdown
+    llm = LLM.from_engine(LLMEngine(EngineConfig(**settings), tokenizer=embedded_tokenizer))
+    want = tiny_reference(tiny, [None, adapters[1], adapters[0]], [prompts[2]] * 3)
+    for a, expected in zip((None, adapters[1], adapters[0]), want):
+        (out,) = llm.generate([{"prompt_token_ids": prompts[2]}],
+                              SamplingParams(max_tokens=TINY_TOKENS, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False, lora_request=a)
+        assert list(out.outputs[0].token_ids) == expected
+        # Only the request under the adapter that wrote the blocks reads them back.
+        assert (out.num_cached_tokens > 0) == (a is adapters[0])
+    assert_all_free(llm)
