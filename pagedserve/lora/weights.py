@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from torch import Tensor
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.llama import DecoderForCausalLM
+from pagedserve.models.loader import read_json_object
 from pagedserve.models.sharding import TPShard
 
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -245,11 +245,9 @@ def _read_settings(directory: Path, where: str) -> _Settings:
     if not file.is_file():
         raise ValueError(f"{where}: no {CONFIG_FILE}; an adapter directory is what PEFT's save_pretrained writes")
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON: {e}") from e
-    if not isinstance(config, dict):
-        raise ValueError(f"{where}: {CONFIG_FILE} holds a JSON {type(config).__name__}, not an object")
+        config = read_json_object(file)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{where}: peft_type is {config.get('peft_type')!r}; only LoRA adapters (peft_type "
                          "'LORA') are served")

@@ -259,7 +259,7 @@ def _cached_tokenizer(folder: Path) -> Any:
     0.4-0.5 s of a warm start here."""
     import transformers
 
-    name = _read_json_object(folder / "tokenizer_config.json").get("tokenizer_class")
+    name = read_json_object(folder / "tokenizer_config.json").get("tokenizer_class")
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     return (cls or transformers.AutoTokenizer).from_pretrained(str(folder))
 
@@ -317,7 +317,7 @@ def _hf_config(path: str) -> Any:
                                  _converting(lambda: AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)),
                                  lambda config, d: config.save_pretrained(str(d)))
     # Check the architecture before transformers does, so the error names what we support.
-    raw = _read_json_object(Path(path) / "config.json")
+    raw = read_json_object(Path(path) / "config.json")
     check_architecture(raw.get("model_type"), raw.get("architectures"))
     return AutoConfig.from_pretrained(path)
 
@@ -331,7 +331,7 @@ def _gguf_model_config(path: str) -> ModelConfig:
     part = f"model-config-{hashlib.sha256(source).hexdigest()[:12]}"
 
     def read(folder: Path) -> ModelConfig:
-        fields = _read_json_object(folder / "model_config.json")
+        fields = read_json_object(folder / "model_config.json")
         return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
     def write(config: ModelConfig, folder: Path) -> None:
@@ -340,8 +340,9 @@ def _gguf_model_config(path: str) -> ModelConfig:
     return gguf_cache.cached(path, part, read, lambda: _model_config(path, _hf_config(path)), write)
 
 
-def _read_json_object(path: Path) -> dict:
-    """A checkpoint's JSON file, which must hold an object; ValueError naming the file if not."""
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object (a checkpoint's, an adapter's config); ValueError naming the
+    file if not."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -357,7 +358,7 @@ def _model_config(path: str, hf_config: Any) -> ModelConfig:
     gen_file = Path(path) / "generation_config.json"
     if _is_gguf(path) or not gen_file.is_file():
         return config
-    eos = _read_json_object(gen_file).get("eos_token_id")
+    eos = read_json_object(gen_file).get("eos_token_id")
     extra = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
 
@@ -367,7 +368,7 @@ def _safetensors_tensors(directory: Path) -> Iterator[tuple[str, Tensor]]:
 
     indexes = sorted(directory.glob("*.safetensors.index.json"))
     if indexes:  # sharded: the index names every shard
-        weight_map = _read_json_object(indexes[0]).get("weight_map")
+        weight_map = read_json_object(indexes[0]).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{indexes[0]} has no weight_map object naming each tensor's shard")
         files = [directory / f for f in sorted(set(weight_map.values()))]

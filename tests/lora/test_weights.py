@@ -72,7 +72,7 @@ def test_a_directory_without_adapter_config_is_refused(llama, tiny_adapter, tmp_
 
 
 @pytest.mark.parametrize("content, reason", [("{r: 4", "is not valid JSON"),
-                                             ("[4]", "holds a JSON list, not an object")])
+                                             ("[4]", "holds a JSON list, not the object expected")])
 def test_a_damaged_adapter_config_is_named(llama, tiny_adapter, tmp_path, content, reason):
     path = edited(tiny_adapter("r4"), tmp_path)
     (path / CONFIG_FILE).write_text(content)
