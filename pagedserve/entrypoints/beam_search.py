@@ -89,8 +89,11 @@ class _Search:
         return BeamSearchOutput(sequences=best)
 
 
-def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Search every prompt together, one round of engine requests per generated token."""
+def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
+                adapters: list | None = None) -> list[BeamSearchOutput]:
+    """Search every prompt together, one round of engine requests per generated token; `adapters`:
+    each prompt's LoRARequest (or None), whose requests run under it."""
+    adapters = adapters or [None] * len(prompts)
     for prompt in prompts:
         engine.validate_prompt(prompt)
     # Greedy, one token, and enough of its most likely next tokens (of the model's raw logits)
@@ -98,13 +101,14 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> l
     num_candidates = max(2, 1 + len(engine.eos_token_ids)) * params.beam_width
     round_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=num_candidates)
     searches = [_Search(p, params, engine.eos_token_ids, engine.max_model_len) for p in prompts]
+    adapter_of = {id(search): adapter for search, adapter in zip(searches, adapters)}
     while not all(s.done for s in searches):
         beams = {}  # request id -> (search, index of the beam)
         try:
             for search in searches:
                 for i, beam in enumerate(search.live):
                     request_id = f"beam-{engine.next_request_id()}"
-                    engine.add_request(request_id, beam.tokens, round_params)
+                    engine.add_request(request_id, beam.tokens, round_params, lora_request=adapter_of[id(search)])
                     beams[request_id] = (search, i)
             outputs = _run(engine, set(beams))
         except BaseException:
@@ -124,7 +128,7 @@ def _run(engine, request_ids: set[str]) -> dict[str, RequestOutput]:
     """Step the engine until these requests finish; their final outputs."""
     finished: dict[str, RequestOutput] = {}
     while len(finished) < len(request_ids):
-        if not engine.scheduler.has_unfinished():
+        if not engine.core.has_unfinished_requests():  # (also those waiting for their adapter)
             raise RuntimeError("the engine stopped with beam requests unfinished")
         for output in engine.step():
             if output.finished and output.request_id in request_ids:

@@ -97,13 +97,18 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search for each prompt; each output's sequences come best first."""
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (under `lora_request`, as in `generate`); each output's
+        sequences come best first."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {_kind(params)}")
         engine = self.llm_engine
         token_prompts = [engine.tokenize(_prompt_input(p)[1])[1] for p in _as_prompt_list(prompts)]
-        return beam_search(engine, token_prompts, params)
+        adapters = _lora_request_list(lora_request, len(token_prompts))
+        for adapter in dict.fromkeys(a for a in adapters if a is not None):
+            engine.add_lora(adapter)
+        return beam_search(engine, token_prompts, params, adapters)
 
     # ---- LoRA adapters --------------------------------------------------------------------
 

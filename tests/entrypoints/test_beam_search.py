@@ -142,3 +142,25 @@ def test_a_model_with_several_eos_ids_still_keeps_width_live_beams(tiny_llama, e
     assert set(seen) == {(1 + num_eos) * 2}
     assert len(out.sequences) == 2
     assert all(t not in range(112, 128) or t in first for s in out.sequences for t in s.tokens[4:-1])
+
+
+def test_beams_under_a_lora_adapter_match_transformers_with_peft(tiny_checkpoint, tiny_adapter, embedded_tokenizer):
+    from pagedserve.lora.request import LoRARequest
+    from tests.lora.lora_fixtures import merged_reference
+
+    path, hf_model = tiny_checkpoint("llama")
+    adapter = LoRARequest("r4", 1, str(tiny_adapter("r4")))
+    merged = merged_reference(hf_model, adapter.lora_path)
+    engine = LLMEngine(EngineConfig(num_kv_blocks=128, block_size=4, max_model_len=256, enable_lora=True,
+                                    max_lora_rank=4), model=load_model(str(path)), tokenizer=embedded_tokenizer)
+    prompts = [[5, 17, 33, 8, 90, 61, 12], [44, 3, 101]]
+    outputs = LLM.from_engine(engine).beam_search([{"prompt_token_ids": p} for p in prompts],
+                                                  BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True),
+                                                  lora_request=[adapter, None])
+    for prompt, out, model in zip(prompts, outputs, (merged, hf_model)):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, max_new_tokens=8,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, length_penalty=1.0,
+                                 early_stopping=False)
+        assert [s.tokens for s in out.sequences] == ref.tolist()
+    assert_all_free(engine)
