@@ -153,7 +153,7 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
 
-        adapters = self._running_adapters()
+        adapters = self._running_adapters() if self.lora_slots is not None else set()
         passed_over: list[Request] = []  # waiting behind the adapters already running
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]

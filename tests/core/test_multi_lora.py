@@ -191,13 +191,14 @@ def tiny_generate(llm, prompts, per_prompt):
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_ngram_speculation_verifies_drafts_under_each_requests_adapter(tiny, embedded_tokenizer):
+@pytest.mark.parametrize("speculation", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                                         {"method": "suffix", "num_speculative_tokens": 3}])
+def test_speculation_verifies_drafts_under_each_requests_adapter(tiny, embedded_tokenizer, speculation):
     path, _, adapters, prompts = tiny
     per_prompt = [adapters[0], None, adapters[1]]
     llm = LLM.from_engine(LLMEngine(EngineConfig(
         model=str(path), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, max_model_len=128,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
-        tokenizer=embedded_tokenizer))
+        speculative_config=speculation), tokenizer=embedded_tokenizer))
     assert tiny_generate(llm, prompts, per_prompt) == tiny_reference(tiny, per_prompt)
     assert llm.get_metrics()["spec_num_draft_tokens"] > 0
     assert_all_free(llm)
