@@ -36,11 +36,11 @@ import statistics
 import tempfile
 import time
 
+from pagedserve.bench.offload import safe_vocab
 from pagedserve.bench.workload import Workload, WorkloadRequest
+from pagedserve.lora.weights import PROJECTION_PARENT
 
 BASE, LORA_BASE = "base model", "LoRA on, base requests"
-PROJECTION_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                      "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def projection_shapes(model_config) -> dict[str, tuple[int, int]]:
@@ -62,14 +62,14 @@ def write_random_adapter(path: str, model_config, rank: int, seed: int, alpha: f
     tensors = {}
     for layer in range(model_config.num_layers):
         for proj, (fan_in, fan_out) in projection_shapes(model_config).items():
-            name = f"base_model.model.model.layers.{layer}.{PROJECTION_MODULES[proj]}.{proj}"
+            name = f"base_model.model.model.layers.{layer}.{PROJECTION_PARENT[proj]}.{proj}"
             bound = fan_in ** -0.5
             tensors[f"{name}.lora_A.weight"] = (torch.rand(rank, fan_in, generator=gen) * 2 - 1) * bound
             tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.02
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2 * rank,
-              "target_modules": sorted(PROJECTION_MODULES), "bias": "none", "use_rslora": False, "use_dora": False,
+              "target_modules": sorted(PROJECTION_PARENT), "bias": "none", "use_rslora": False, "use_dora": False,
               "fan_in_fan_out": False, "modules_to_save": None, "lora_dropout": 0.0}
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f)
@@ -78,8 +78,7 @@ def write_random_adapter(path: str, model_config, rank: int, seed: int, alpha: f
 
 def random_prompts(model_config, num_requests: int, prompt_len: int, output_len: int, seed: int) -> Workload:
     rng = random.Random(seed)
-    vocab = range(100, min(49000, model_config.vocab_size)) if model_config.vocab_size > 1000 \
-        else range(3, model_config.vocab_size)
+    vocab = safe_vocab(model_config)
     return Workload("lora", [WorkloadRequest([rng.choice(vocab) for _ in range(prompt_len)], output_len)
                              for _ in range(num_requests)])
 

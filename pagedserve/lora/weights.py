@@ -39,8 +39,9 @@ PROJECTIONS = tuple(p for parts in FUSED_PARTS.values() for p in parts)  # the 7
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
-_PARENT = {p: "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp" for fused, parts in FUSED_PARTS.items()
-           for p in parts}
+# Each projection's parent module in a decoder layer (self_attn or mlp), as checkpoints name them.
+PROJECTION_PARENT = {p: "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+                     for fused, parts in FUSED_PARTS.items() for p in parts}
 _FUSED = {p: fused for fused, parts in FUSED_PARTS.items() for p in parts}
 _PREFIX = "base_model.model."  # PeftModel's own prefix: PeftModel.from_pretrained loads no other names
 _TENSOR_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
@@ -185,7 +186,7 @@ def _inspect(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[Adap
     found: dict[tuple[int, str], dict[str, str]] = {}
     for name, (dtype, shape) in header.items():
         match = _TENSOR_NAME.fullmatch(name)
-        if match is None or match[3] not in _PARENT or match[2] != _PARENT[match[3]]:
+        if match is None or match[3] not in PROJECTION_PARENT or match[2] != PROJECTION_PARENT[match[3]]:
             raise ValueError(f"{where}: {_unexpected_tensor(name)}")
         layer, projection, kind = int(match[1]), match[3], match[4]
         if layer >= config.num_layers:
@@ -204,7 +205,8 @@ def _inspect(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[Adap
             if kind not in names:
                 raise ValueError(f"{where}: tensor {names[other]!r} has no lora_{kind} beside it: each targeted "
                                  "projection needs both lora_A and lora_B")
-        key = f"model.layers.{layer}.{_PARENT[projection]}.{projection}"  # the name PEFT matches patterns on
+        # the name PEFT matches patterns on
+        key = f"model.layers.{layer}.{PROJECTION_PARENT[projection]}.{projection}"
         r = settings.rank_pattern.get(_pattern_key(settings.rank_pattern, key), settings.r)
         alpha = settings.alpha_pattern.get(_pattern_key(settings.alpha_pattern, key), settings.lora_alpha)
         out_features, in_features = cuts[projection].shape
@@ -378,7 +380,7 @@ def _cuts(config: ModelConfig, rank: int, size: int) -> dict[str, _Cut]:
     targets = DecoderForCausalLM.meta(one_layer, TPGroup(rank, size)).checkpoint_targets()
     cuts = {}
     for projection in PROJECTIONS:
-        t = targets[f"model.layers.0.{_PARENT[projection]}.{projection}.weight"]
+        t = targets[f"model.layers.0.{PROJECTION_PARENT[projection]}.{projection}.weight"]
         length = t.rows if t.source_dim == 0 else t.param.shape[t.source_dim]
         cuts[projection] = _Cut(t.expected_shape(), t.source_dim, t.source_start, length)
     return cuts
