@@ -8,8 +8,11 @@
 # checks and the throughput bench compare pagedserve with transformers on them.
 # Writes kernels.txt, engine.txt, throughput.{txt,json}, the throughput table and plot, and
 # tensor_parallel.txt (TP=3 vs TP=1 greedy tokens; skipped with fewer than 3 GPUs) to OUT_DIR.
+# GPU_CHECK_STAGE_TIMEOUT=S stops any one stage after S seconds (default: none), so that a hang in
+# one stage cannot spend a short GPU lease: the later stages still run.
 set -uo pipefail
 out=${1:-gpu_out}
+limit=(timeout "${GPU_CHECK_STAGE_TIMEOUT:-0}")
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 model_args=()
@@ -17,14 +20,14 @@ if [ -f .gpu_model/config.json ]; then
     [ -f .gpu_model/model.safetensors ] || python3 scripts/gpu_model.py weights .gpu_model
     model_args=(--model .gpu_model)
 fi
-python3 scripts/gpu_check.py 2>&1 | tee "$out/kernels.txt"
-python3 scripts/gpu_engine_check.py "${model_args[@]}" 2>&1 | tee "$out/engine.txt"
-python3 -m pagedserve.entrypoints.cli bench throughput --device cuda --dtype bfloat16 "${model_args[@]}" \
-    --systems pagedserve,pagedserve-fp8,hf-static,hf-cb --reps 1 --out-dir "$out" --json "$out/throughput.json" 2>&1 \
+"${limit[@]}" python3 scripts/gpu_check.py 2>&1 | tee "$out/kernels.txt"
+"${limit[@]}" python3 scripts/gpu_engine_check.py "${model_args[@]}" 2>&1 | tee "$out/engine.txt"
+"${limit[@]}" python3 -m pagedserve.entrypoints.cli bench throughput --device cuda --dtype bfloat16 "${model_args[@]}" \
+    --systems pagedserve,pagedserve-fp8,hf-static,hf-cb --hf-batch-sizes 64 --reps 1 --out-dir "$out" --json "$out/throughput.json" 2>&1 \
     | tee "$out/throughput.txt"
 # Tensor parallelism: greedy token ids at TP=1 and TP=3 (SmolLM2's 9 heads and 3 KV heads split over 1
 # or 3 ranks only), one GPU a rank. -c, not a script on stdin, which spawned ranks cannot re-import.
-python3 -c '
+"${limit[@]}" python3 -c '
 import gc, sys, time
 import torch
 from pagedserve import LLM, SamplingParams

@@ -164,7 +164,7 @@ def _attend_prompt(q: Tensor, keys: Tensor, values: Tensor, md: SdpaMetadata, i:
     mask = _prefill_mask(md, i, window).repeat(group, 1)
     o = F.scaled_dot_product_attention(folded, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                                        attn_mask=mask[None, None], scale=scale)
-    return o.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
+    return o.reshape(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
 
 
 def _decode_in_groups(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, kv_scales: Tensor, out: Tensor,
@@ -179,7 +179,8 @@ def _decode_in_groups(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, kv_scales: 
         bias = _decode_bias(md, i, keys.shape[2], window, q.dtype)
         dq = q.index_select(0, group.token_indices).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(dq, keys, values, attn_mask=bias, scale=scale)
-        out.index_copy_(0, group.token_indices, o.view(n, num_heads, head_dim))
+        # reshape: CUDA's SDPA kernels may return o with strides a view cannot merge
+        out.index_copy_(0, group.token_indices, o.reshape(n, num_heads, head_dim))
 
 
 def _decode_bias(md: SdpaMetadata, i: int, num_keys: int, window: int | None, dtype: torch.dtype) -> Tensor:

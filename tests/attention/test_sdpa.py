@@ -118,3 +118,21 @@ def test_bfloat16_prompts_on_both_paths(monkeypatch, path, computed, window):
     out = sdpa.paged_attention(*bf16, md, 0.3, window)
     assert out.dtype == torch.bfloat16
     assert (out.float() - expected).abs().max().item() < 0.05
+
+
+def test_sdpa_outputs_in_any_memory_layout(monkeypatch):
+    # CUDA's SDPA kernels may return their output with strides that a view cannot merge (its
+    # heads not adjacent in memory); the torch path must take any layout of the same values.
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def scattered(*args, **kwargs):
+        o = fused(*args, **kwargs)
+        return o.transpose(-3, -2).contiguous().transpose(-3, -2)  # same values, heads not adjacent
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", scattered)
+    monkeypatch.setattr(cpu_attention, "load", lambda: None)  # decodes and chunks through SDPA
+    gen = torch.Generator().manual_seed(0)
+    reqs = [(23, 5), (30, 1), (9, 1)]  # a chunk behind cached tokens, and two decodes
+    tables, k_cache, v_cache, q, k, v = random_step(reqs, 4, 2, 6, 16, gen)
+    md = sdpa.SdpaBackend().build_metadata(tables, [c for c, _ in reqs], [n for _, n in reqs], 4)
+    run_step(q, k, v, k_cache, v_cache, md, tables, reqs, [None, 5])
