@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU check in one run (not yet timed on a GPU), for a session lent a GPU:
+# Every GPU check in one run (about 4 minutes on an H200), for a session lent a GPU:
 #   scripts/gpu_check.sh OUT_DIR
-# Needs a python3 with torch (CUDA), triton and transformers, as the device machine has.
+# Needs a python3 with torch (CUDA), triton, transformers and peft, as the device machine has, plus
+# msgspec and pyzmq (which it lacks: carry their wheels).
 # The embedded model cannot go there (its package is not installed; the GGUF is over a call's
 # carry limit), so first, here:  python scripts/gpu_model.py skeleton .gpu_model  (~4 MB, ignored
 # by git), and carry `.gpu_model`: this script gives it seeded random weights there, and the engine

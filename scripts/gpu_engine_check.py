@@ -9,7 +9,9 @@ prints its traceback and the others still run.
    tokens, and the log-probability of each chosen token;
 2. CUDA graphs vs enforce_eager in bfloat16: same tokens, and decode step time at batch 1/16/64;
 3. the KV pool sized by gpu_memory_utilization: blocks, GiB, the GPU's memory in use afterwards;
-4. fp8 KV cache: blocks against bfloat16 for the same budget, token agreement.
+4. fp8 KV cache: blocks against bfloat16 for the same budget, token agreement;
+5. LoRA: a batch mixing two PEFT adapters and the base model (the torch path of the LoRA delta)
+   vs transformers + PEFT with each adapter merged, float32; then the same batch in bfloat16.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -169,11 +174,47 @@ def fp8(args, prompts):
               f"{dtype}:", f"{decode_step_ms(full, 64):.2f}")
 
 
+@section("5. LoRA: mixed adapters vs transformers + PEFT merged")
+def lora(args, prompts):
+    from pagedserve.bench.throughput import load_hf_reference
+    from pagedserve.lora.request import LoRARequest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "lora"))
+    from lora_fixtures import make_peft_adapter, merged_reference  # the tests' PEFT adapters and references
+
+    hf = load_hf_reference(torch.float32, args.device, args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = [LoRARequest(f"r{rank}", i + 1, str(make_peft_adapter(
+            hf, Path(tmp) / f"r{rank}", rank=rank, alpha=2 * rank, seed=i + 1))) for i, rank in enumerate((8, 16))]
+        picks = [adapters[i % 3] if i % 3 < 2 else None for i in range(len(prompts))]  # r8, r16, base, ...
+        reference = []
+        for ids, pick in zip(prompts, picks):
+            model = merged_reference(hf, pick.lora_path) if pick else hf
+            t = torch.tensor([ids], device=args.device)
+            with torch.inference_mode():
+                out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=MAX_TOKENS,
+                                     do_sample=False, pad_token_id=2)
+            reference.append(out[0, len(ids):].tolist())
+        del hf, model
+        tokens = {}
+        for dtype in ("float32", "bfloat16") if args.device == "cuda" else ("float32",):
+            llm = engine(args, dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=16)
+            tokens[dtype] = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts],
+                SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), lora_request=picks, use_tqdm=False)]
+            del llm
+    print("adapters per prompt:", [p.lora_name if p else "base" for p in picks])
+    print("pagedserve float32 + LoRA vs transformers + PEFT merged float32:", agreement(tokens["float32"], reference))
+    if "bfloat16" in tokens:
+        print("pagedserve bfloat16 + LoRA vs float32 + LoRA:", agreement(tokens["bfloat16"], tokens["float32"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="fewer sizes (to try the script without a GPU)")
     parser.add_argument("--model", default=None, help="an HF directory (default: the embedded model)")
+    parser.add_argument("--only", nargs="+", type=int, help="run these sections only (numbers)")
     args = parser.parse_args()
     if args.device == "cuda":
         print(torch.cuda.get_device_name(), "torch", torch.__version__)
@@ -182,8 +223,9 @@ def main() -> None:
     prompts = chat_prompts(load_tokenizer(args.model))
     if args.smoke:
         prompts = prompts[:3]
-    for check in (exactness, graphs_vs_eager, pool_size, fp8):
-        check(args, prompts)
+    for number, check in enumerate((exactness, graphs_vs_eager, pool_size, fp8, lora), 1):
+        if not args.only or number in args.only:
+            check(args, prompts)
 
 
 if __name__ == "__main__":
