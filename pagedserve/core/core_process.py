@@ -22,7 +22,7 @@ import zmq
 from pagedserve import heap
 from pagedserve.config import EngineConfig
 from pagedserve.core.messages import (AbortRequests, CoreCommand, CoreFailed, CoreReady, EngineCoreOutputs,
-                                             EngineCoreRequest, RemoveLoRA, SampleOutput, Shutdown, StopSamples)
+                                      EngineCoreRequest, RemoveLoRA, SampleOutput, Shutdown, StopSamples, WatchKV)
 from pagedserve.executor.base import HEALTH_CHECK_INTERVAL, ExecutorFailed
 from pagedserve.lifetime import exit_with_parent
 
@@ -95,7 +95,7 @@ def _busy_loop(core, commands: zmq.Socket, outputs: zmq.Socket, encoder: msgspec
             results += apply_command(core, command)
         if core.has_unfinished_requests():
             results += step_contained(core)
-        outputs.send(encoder.encode(EngineCoreOutputs(results, core.core_stats())))
+        outputs.send(encoder.encode(EngineCoreOutputs(results, core.core_stats(), core.kv_view())))
 
 
 def ready_message(core) -> CoreReady:
@@ -105,7 +105,8 @@ def ready_message(core) -> CoreReady:
 
 
 def apply_command(core, command: CoreCommand) -> list[SampleOutput]:
-    """Apply a request, abort, stop or adapter removal to the core: the error output of a request it failed to add."""
+    """Apply a request, abort, stop, adapter removal or watch to the core: the error output of a request it
+    failed to add."""
     if isinstance(command, EngineCoreRequest):
         try:
             core.add_request(command)
@@ -119,6 +120,8 @@ def apply_command(core, command: CoreCommand) -> list[SampleOutput]:
         core.stop_samples(command.samples)
     elif isinstance(command, RemoveLoRA):
         core.remove_lora(command.lora_int_id)
+    elif isinstance(command, WatchKV):
+        core.watch_kv(command.seconds)
     return []
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.core.kv_view import KVView, KVViewer
 from pagedserve.core.messages import CoreStats, EngineCoreRequest, SampleOutput, SpecDecodeStats, TokenLogprobs
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampler import Sampler, SamplerOutput, SamplingBatch, TokenCounts, gather_logprobs
@@ -153,6 +154,7 @@ class EngineCore:
                                  offload_min_hits=config.kv_offload_min_hits)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_mode, config.max_loras if config.enable_lora else None)
+        self.kv_viewer = KVViewer(self.kv, self.scheduler)
         self.sampler = Sampler(seed=config.seed)
         self.token_counts = TokenCounts(model_config.vocab_size, config.device)
         self.eos_token_ids = set(model_config.eos_token_ids) | set(eos_token_ids)
@@ -715,6 +717,14 @@ class EngineCore:
                                    list(c.accepted_per_position))
         return CoreStats(len(self.scheduler.running), num_waiting, self.kv.stats(),
                          self.scheduler.num_preemptions, spec)
+
+    def watch_kv(self, seconds: float) -> None:
+        """Record the pool's changes for a live view for `seconds` from now (core/kv_view.py)."""
+        self.kv_viewer.watch(seconds)
+
+    def kv_view(self) -> KVView | None:
+        """The live view due now, if the pool is watched and one is due."""
+        return self.kv_viewer.take(busy=self.has_unfinished_requests())
 
     def fast_paths(self) -> dict[str, str | None]:
         """The forward's fast paths (decode replays, the C kernels on CPU): None for each taken, else

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pagedserve.core.kv_view import KVView
 from pagedserve.kv import KVCacheStats
 from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
@@ -41,11 +42,18 @@ class RemoveLoRA(msgspec.Struct, array_like=True, tag="remove_lora"):
     lora_int_id: int
 
 
+class WatchKV(msgspec.Struct, array_like=True, tag="watch_kv"):
+    """Someone watches the KV pool live: attach a `KVView` to the outputs now and then, for `seconds`
+    from now (the front renews it while it has viewers)."""
+
+    seconds: float
+
+
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
     pass
 
 
-CoreCommand = EngineCoreRequest | AbortRequests | StopSamples | RemoveLoRA | Shutdown
+CoreCommand = EngineCoreRequest | AbortRequests | StopSamples | RemoveLoRA | WatchKV | Shutdown
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -111,6 +119,7 @@ class CoreStats(msgspec.Struct, array_like=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="outputs"):
     outputs: list[SampleOutput]
     stats: CoreStats
+    kv_view: KVView | None = None  # while watched, when one is due (core/kv_view.py)
 
 
 class CoreReady(msgspec.Struct, array_like=True, tag="ready"):

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.messages import CoreReady, CoreStats, EngineCoreOutputs, EngineCoreRequest, SpecDecodeStats
+from pagedserve.dashboard.live import KVWatch
 from pagedserve.engine.core_client import (DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF, DEFAULT_START_TIMEOUT,
                                            EngineCoreClient, ProcessCoreClient, ThreadedCoreClient)
 from pagedserve.engine.input_processor import check_adapter, process_inputs
@@ -79,6 +80,7 @@ class AsyncLLM:
         self._past_counters = _CoreCounters()
         self.stats: EngineStatsSnapshot | None = None
         self._model_config = None  # read when an adapter is first checked
+        self.kv_watch = KVWatch()  # the pool as the live view shows it, while someone watches
 
     @classmethod
     def from_llm_engine(cls, engine: LLMEngine, **kwargs) -> AsyncLLM:
@@ -155,6 +157,11 @@ class AsyncLLM:
     def remove_lora(self, lora_int_id: int) -> None:
         """The core forgets the adapter (its host memory and slot)."""
         self.client.remove_lora(lora_int_id)
+
+    def watch_kv(self, seconds: float) -> None:
+        """Have the core send views of its KV pool into `kv_watch` for `seconds` from now (a viewer
+        renews this while it looks). Unwatched, the core records nothing."""
+        self.client.watch_kv(seconds)
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve now (for /health), or None when it can."""
@@ -234,6 +241,8 @@ class AsyncLLM:
             deliveries = self._tracker.route(processed.outputs)
             # Publish before delivering: a client that got its last output sees the figures after it.
             self.stats = self._snapshot(message.stats)
+            if message.kv_view is not None:
+                self.kv_watch.apply(message.kv_view, message.stats, self.stats.num_generation_tokens)
         for stream, item in deliveries:
             stream.put(item)
 

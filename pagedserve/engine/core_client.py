@@ -29,7 +29,7 @@ from pagedserve.core.core_process import apply_command, ready_message, run_engin
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.core.messages import (AbortRequests, CoreCommand, CoreFailed, CoreMessage, CoreReady,
                                       EngineCoreOutputs, EngineCoreRequest, RemoveLoRA, SampleOutput, Shutdown,
-                                      StopSamples)
+                                      StopSamples, WatchKV)
 from pagedserve.engine.protocol import EngineUnavailable
 from pagedserve.executor.base import HEALTH_CHECK_INTERVAL, ExecutorFailed
 
@@ -82,6 +82,9 @@ class EngineCoreClient(Protocol):
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter (RemoveLoRA)."""
+
+    def watch_kv(self, seconds: float) -> None:
+        """Have the core attach live KV views to its outputs for `seconds` from now (WatchKV)."""
 
     def health_problem(self) -> str | None:
         """Why no core serves now, or None."""
@@ -160,6 +163,9 @@ class ThreadedCoreClient:
     def remove_lora(self, lora_int_id: int) -> None:
         self._submit(RemoveLoRA(lora_int_id))
 
+    def watch_kv(self, seconds: float) -> None:
+        self._submit(WatchKV(seconds))
+
     def _submit(self, command: CoreCommand, refuse: bool = False) -> None:
         with self._cond:
             problem = self.health_problem()
@@ -209,7 +215,7 @@ class ThreadedCoreClient:
             except ExecutorFailed as e:
                 self._die(str(e))
                 return
-            self._events.on_outputs(EngineCoreOutputs(results, core.core_stats()))
+            self._events.on_outputs(EngineCoreOutputs(results, core.core_stats(), core.kv_view()))
 
     def _healthy(self) -> bool:
         try:
@@ -409,6 +415,11 @@ class ProcessCoreClient:
         with self._lock:
             if self._serving():
                 self._send(RemoveLoRA(lora_int_id))
+
+    def watch_kv(self, seconds: float) -> None:
+        with self._lock:
+            if self._serving():
+                self._send(WatchKV(seconds))
 
     def _serving(self) -> bool:
         """With the lock held: a core is up and listening for commands."""

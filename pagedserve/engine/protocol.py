@@ -16,6 +16,7 @@ from pagedserve.kv import KVCacheStats
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
+    from pagedserve.dashboard.live import KVWatch
     from pagedserve.lora.request import LoRARequest
     from pagedserve.outputs import RequestOutput
     from pagedserve.sampling_params import SamplingParams
@@ -87,3 +88,11 @@ class EngineClient(Protocol):
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter (its host memory and slot); requests in flight that use it finish with it."""
+
+    @property
+    def kv_watch(self) -> KVWatch | None:
+        """The KV pool as the live view shows it (dashboard/live.py), or None where the engine has no one
+        pool to show (replicas)."""
+
+    def watch_kv(self, seconds: float) -> None:
+        """Keep `kv_watch` up to date for `seconds` from now (a viewer renews it while it looks)."""

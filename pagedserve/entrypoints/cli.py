@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 def cmd_kv_calc(args: argparse.Namespace) -> None:
@@ -144,7 +145,15 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """A batch of example chat prompts, their answers, and what the engine did."""
+    """A batch of example chat prompts, their answers, and what the engine did; or, with --html, the
+    paged-memory walk-through as a page."""
+    if args.html:
+        from pagedserve.dashboard.report import render_report
+        from pagedserve.dashboard.walkthrough import walkthrough_frames
+
+        Path(args.html).write_text(render_report(walkthrough_frames(), "pagedserve: PagedAttention step by step"))
+        print(f"wrote {args.html}: open it in a browser and step through with the arrow keys")
+        return
     from pagedserve.entrypoints.llm import LLM
 
     llm = LLM(**engine_kwargs(args))
@@ -204,7 +213,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                 max_request_tokens=args.max_request_tokens, engine_max_restarts=args.engine_max_restarts,
                 engine_stall_timeout=args.engine_stall_timeout, lora_modules=lora_modules,
-                allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                allow_runtime_lora_updating=args.allow_runtime_lora_updating, dashboard=not args.no_dashboard)
 
 
 def lora_module_paths(args: argparse.Namespace) -> tuple:
@@ -556,6 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     demo = sub.add_parser("demo", help="a batch of example chat prompts and an engine report (make run)")
+    demo.add_argument("--html", metavar="FILE", default=None,
+                      help="instead, write PagedAttention's walk-through (allocate, grow, share a prefix, fork, copy "
+                      "on write, evict, preempt, free), run on the real memory manager, as one self-contained page "
+                      "that replays it step by step")
     add_sampling_args(demo, max_tokens=128)
     add_engine_args(demo)
     demo.set_defaults(func=cmd_demo)
@@ -603,6 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "when the chat template does not render them (default: hermes); auto: the one whose call "
                        "syntax the chat template writes (<tool_call>: hermes, <|python_tag|>: llama3_json), hermes "
                        "for a template that renders no tools")
+    serve.add_argument("--no-dashboard", action="store_true",
+                       help="do not serve the live KV-cache view at /dashboard (it needs the API key when one is set, "
+                       "as a header or as ?api_key=)")
     lora = serve.add_argument_group("LoRA adapters (with --enable-lora; --max-loras, --max-lora-rank and "
                                     "--max-cpu-loras size them)")
     lora.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",

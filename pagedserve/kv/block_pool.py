@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
+from pagedserve.kv.watch import KVWatchLog
+
 
 class Block:
     """One physical block of `block_size` token slots."""
@@ -112,6 +114,7 @@ class BlockPool:
         # tier that receives blocks as they are evicted); its owner empties it.
         self.record_evictions = False
         self.evicted: list[tuple[int, bytes, int]] = []
+        self.watch: KVWatchLog | None = None  # while the live view watches: what changed
 
     @property
     def num_free(self) -> int:
@@ -126,10 +129,16 @@ class BlockPool:
         if n > len(self.free_queue):
             raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
         taken = []
+        watch = self.watch
         for _ in range(n):
             block = self.free_queue.popleft()
             if self.record_evictions and block.block_hash is not None:
                 self.evicted.append((block.block_id, block.block_hash, block.num_hits))
+            if watch is not None:
+                watch.changed.add(block.block_id)
+                if block.block_hash is not None:
+                    watch.add("evict", None, [block.block_id], f"evicted cached block {block.block_id} "
+                              f"(hit {block.num_hits} times) to reuse it")
             self._forget(block)
             block.ref_count = 1
             block.num_tokens = 0  # whatever it held is overwritten
@@ -138,7 +147,10 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Add one reference to each block, reviving free ones out of the free queue."""
+        watch = self.watch
         for block in blocks:
+            if watch is not None:
+                watch.changed.add(block.block_id)
             if block.ref_count == 0:
                 self.free_queue.remove(block)
                 self.num_filled_slots += block.num_tokens
@@ -152,7 +164,10 @@ class BlockPool:
         Freed blocks that hold a cached prefix join the tail of the queue (evicted last, and
         in the order given); blocks holding nothing reusable go to the head, to be taken first.
         """
+        watch = self.watch
         for block in blocks:
+            if watch is not None:
+                watch.changed.add(block.block_id)
             assert block.ref_count > 0, f"{block} released more often than referenced"
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -203,6 +218,8 @@ class BlockPool:
 
     def _forget(self, block: Block) -> None:
         if block.block_hash is not None:
+            if self.watch is not None:
+                self.watch.changed.add(block.block_id)
             del self.cached[block.block_hash]
             block.block_hash = None
             block.num_hits = 0

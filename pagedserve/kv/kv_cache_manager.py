@@ -230,6 +230,14 @@ class KVCacheManager:
         self.offload_hits += len(payloads) * self.block_size
         self.offload_loaded_blocks += len(payloads)
         self._cache_full_blocks(table, token_ids)  # the loaded blocks too: findable once the step has run
+        watch = self.pool.watch
+        if watch is not None:
+            if hit or payloads:
+                watch.add("prefix_hit", req_id, [b.block_id for b in hit] + [b.block_id for b in new_blocks[:len(payloads)]],
+                          f"prefix cache hit: {num_cached} of {len(token_ids)} tokens"
+                          + (f" ({len(payloads)} blocks read back from the KV tier)" if payloads else ""))
+            watch.add("admit", req_id, table.block_ids, f"admitted with {table.num_tokens} tokens in "
+                      f"{len(table.blocks)} blocks ({len(hit)} shared from the prefix cache)")
         return num_cached
 
     def _blocks_to_admit(self, num_tokens: int, num_cached_blocks: int, num_new_tokens: int | None) -> int:
@@ -271,12 +279,20 @@ class KVCacheManager:
             self.pool.release([shared])
             copies.append((shared.block_id, private.block_id))
             self.cow_copies += 1
+            if self.pool.watch is not None:
+                self.pool.watch.add("cow", req_id, [shared.block_id, private.block_id],
+                                    f"copy on write: block {shared.block_id} (still held by {shared.ref_count}) "
+                                    f"copied to {private.block_id} before writing token {table.num_tokens}")
         first_written = table.num_tokens // self.block_size
         table.num_tokens += num_new_tokens
         new_blocks = self.pool.allocate(cdiv(table.num_tokens, self.block_size) - len(table.blocks))
         table.blocks += new_blocks
         table.block_ids += [b.block_id for b in new_blocks]
         self._count_tokens(table, first_written)
+        if new_blocks and self.pool.watch is not None:
+            self.pool.watch.add("grow", req_id, [b.block_id for b in new_blocks],
+                                f"grew to {table.num_tokens} tokens: {len(new_blocks)} new block"
+                                f"{'s' if len(new_blocks) > 1 else ''} (table of {len(table.blocks)})")
         if token_ids is not None:
             self._cache_full_blocks(table, token_ids)
         return copies
@@ -315,6 +331,9 @@ class KVCacheManager:
         self._tables[child_id] = _Table(
             list(parent.blocks), parent.num_tokens, hashes, min(parent.num_offered, num_full), parent.extra_keys
         )
+        if self.pool.watch is not None:
+            self.pool.watch.add("fork", child_id, parent.block_ids, f"forked from {parent_id}: shares all "
+                                f"{len(parent.blocks)} of its blocks ({parent.num_tokens} tokens)")
 
     def free(self, req_id: RequestId) -> None:
         """Drop the request's table; a no-op for a request that holds none.
@@ -325,6 +344,10 @@ class KVCacheManager:
         table = self._tables.pop(req_id, None)
         if table is not None:
             self.pool.release(reversed(table.blocks))
+            if self.pool.watch is not None:
+                kept = sum(1 for b in table.blocks if b.ref_count == 0 and b.block_hash is not None)
+                self.pool.watch.add("free", req_id, table.block_ids, f"released {len(table.blocks)} blocks"
+                                    + (f", {kept} kept as cached prefix" if kept else ""))
 
     def confirm_cached(self) -> None:
         """The step that fills the blocks cached since the last call has written their K/V (write
@@ -343,6 +366,9 @@ class KVCacheManager:
         table = self._tables[req_id]
         for i in range(table.num_offered):
             self._store(table.block_ids[i], table.hashes[i])
+        if self.pool.watch is not None:
+            self.pool.watch.add("offload", req_id, table.block_ids[:table.num_offered],
+                                f"swapped out: {table.num_offered} full blocks to the KV tier")
 
     def offload_cached(self) -> None:
         """Send every cached block the tier lacks to it, by the policy's rule for an evicted block
@@ -411,6 +437,11 @@ class KVCacheManager:
         table.num_offered = max(table.num_offered, num_full)
 
     # ---- figures -------------------------------------------------------------------------
+
+    def note(self, kind: str, req_id: RequestId, text: str) -> None:
+        """Record an event about a request's blocks that the caller decided (a preemption), while watched."""
+        if self.pool.watch is not None:
+            self.pool.watch.add(kind, req_id, self._tables[req_id].block_ids if req_id in self._tables else [], text)
 
     def stats(self) -> KVCacheStats:
         """O(1): every figure is a counter kept by the pool or here (the tests check them all

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from urllib.parse import parse_qs
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_dashboard import add_dashboard_routes
 from pagedserve.entrypoints.openai.serving_engine import (
     APIError, Drain, bad_request, engine_unavailable, server_error, shutting_down,
 )
@@ -90,7 +92,7 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
               tool_call_parser: str | None = None, extra_collectors: tuple = (),
               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, dashboard: bool = True) -> FastAPI:
     """An app serving a started engine. The caller owns the engine (start and shutdown).
 
     served_model_name: the base model's name, or the served models (OpenAIServingModels: the base
@@ -104,8 +106,9 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
     and logprob entries one request may ask for (limits.RequestWork; more is a 400);
     max_stored_responses: how many /v1/responses answers are kept for previous_response_id and GET
     (the least recently used is dropped first); allow_runtime_lora_updating: serve vLLM's POST
-    /v1/load_lora_adapter and /v1/unload_lora_adapter (absent without it, as in vLLM). The app's
-    drain (app.state.drain) is driven by http_server.GracefulServer."""
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (absent without it, as in vLLM); dashboard:
+    serve the live KV view at /dashboard (serving_dashboard). The app's drain (app.state.drain) is
+    driven by http_server.GracefulServer."""
     bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(bound and bound.max_chars)
@@ -173,6 +176,8 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
         return responses.delete(response_id)
 
     app.include_router(v1)
+    if dashboard:
+        add_dashboard_routes(app, engine, drain)
 
     tokenization = OpenAIServingTokenization(chat)
 
@@ -234,16 +239,23 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
 
 
 class APIKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <key>`: checked before the body is even read."""
+    """Every /v1 route needs `Authorization: Bearer <key>`: checked before the body is even read. So
+    does the dashboard, which also takes the key as `?api_key=` (a browser's page and EventSource
+    cannot send the header)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
+        self.api_key = api_key.encode()
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in MODEL_ROUTES):
+        path = scope["path"] if scope["type"] == "http" else ""
+        dashboard = path == "/dashboard" or path.startswith("/dashboard/")
+        if path.startswith("/v1") or path in MODEL_ROUTES or dashboard:
             given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
+            in_query = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[-1].encode()
+            if not (secrets.compare_digest(given, self.expected)
+                    or dashboard and secrets.compare_digest(in_query, self.api_key)):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
@@ -293,12 +305,14 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                tool_call_parser: str | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
                engine_max_restarts: int = DEFAULT_MAX_RESTARTS,
                engine_stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-               lora_modules: Sequence[LoRAModulePath] = (), allow_runtime_lora_updating: bool = False) -> None:
+               lora_modules: Sequence[LoRAModulePath] = (), allow_runtime_lora_updating: bool = False,
+               dashboard: bool = True) -> None:
     """Serve until SIGTERM or SIGINT, which drain the server (http_server.GracefulServer) before it
     exits; a second signal exits at once. engine_core: "process" runs the core in a process of its
     own, "thread" on a thread of this one (both behind `AsyncLLM`). lora_modules: LoRA adapters
     served under their names, checked before the model loads (ValueError saying which and why);
-    allow_runtime_lora_updating: the routes that load and unload adapters while serving. If the
+    allow_runtime_lora_updating: the routes that load and unload adapters while serving; dashboard: the
+    live KV view at /dashboard. If the
     core process dies and cannot be restarted, the server stops and this raises SystemExit with an
     error (exit code 1), so that a supervisor restarts the service."""
     engine = make_async_engine(config, engine_core, max_restarts=engine_max_restarts,
@@ -310,7 +324,7 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
         app = build_app(engine, models, api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                         default_max_tokens=default_max_tokens, enable_auto_tool_choice=enable_auto_tool_choice,
                         tool_call_parser=tool_call_parser, max_request_tokens=max_request_tokens,
-                        allow_runtime_lora_updating=allow_runtime_lora_updating)
+                        allow_runtime_lora_updating=allow_runtime_lora_updating, dashboard=dashboard)
         server = http_server.make_server(app, host=host, port=port, timeout_keep_alive=timeout_keep_alive,
                                          header_timeout=header_timeout, shutdown_timeout=shutdown_timeout)
         if allow_runtime_lora_updating:

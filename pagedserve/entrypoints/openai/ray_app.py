@@ -112,6 +112,7 @@ class ReplicaPool:
     """The engine the OpenAI app serves (`engine.protocol.EngineClient`), over the replicas' handle."""
 
     stats = None  # the figures come per replica
+    kv_watch = None  # no one pool to show: each replica has its own
 
     def __init__(self, handle: Any, tokenizer: Any, info: dict[str, int], config: EngineConfig | None = None) -> None:
         self.handle, self.tokenizer, self.config = handle.options(stream=True), tokenizer, config
@@ -127,6 +128,9 @@ class ReplicaPool:
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Nothing to tell the replicas: see the module's docstring."""
+
+    def watch_kv(self, seconds: float) -> None:
+        """No live KV view across replicas (`kv_watch` is None)."""
 
     def stats_by_replica(self) -> dict[str, EngineStatsSnapshot]:
         """Each live replica's latest figures, by its unique id (refreshed each second)."""

@@ -101,6 +101,26 @@ def test_prompt_logprobs_cross_the_process_boundary(process_server, offline):
         pytest.approx(want[p][ids[p]].logprob, abs=1e-5) for p in range(1, len(ids))]
 
 
+def test_the_kv_dashboard_sees_the_core_process_pool(process_server):
+    # The views travel from the core process as msgpack: the stream's first frame is the whole pool,
+    # and a request's blocks show up while it runs.
+    frames = []
+    with httpx.stream("GET", f"{process_server.url}/dashboard/events", timeout=60) as response:
+        threading.Thread(target=process_server.client().completions.create, daemon=True,
+                         kwargs=dict(model=MODEL, prompt="Count slowly: one, two, three,", max_tokens=96,
+                                     extra_body={"ignore_eos": True})).start()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                frames.append(json.loads(line[len("data: "):]))
+                if frames[-1]["engine"]["num_running"] == 1 and frames[-1]["counts"]["used"] > 0:
+                    break
+    assert frames[0]["num_blocks"] == 512 and len(frames[0]["cells"]) == 512
+    (request,) = frames[-1]["requests"]
+    assert request["status"] == "running" and len(request["blocks"]) == -(-request["num_tokens"] // 16)
+    assert all(frames[-1]["cells"][b] == 1 for b in request["blocks"])
+    assert_all_free(process_server.wait_idle())
+
+
 @pytest.mark.timing
 def test_the_core_dies_under_load_requests_end_with_503_and_a_new_core_serves(process_server):
     url, engine = process_server.url, process_server.async_engine

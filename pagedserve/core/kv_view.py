@@ -1,0 +1,103 @@
+"""The core's side of the live KV view: while a front watches, a `KVView` rides on the step outputs
+at most `INTERVAL` apart (and once more when the engine goes idle, so the last state is seen).
+
+The first view after a watch starts holds every block's state; later ones only the blocks the pool
+noted as changed (`kv/watch.py`), the block tables of the requests in flight and the events since.
+Unwatched, nothing is recorded: the pool and the manager carry `watch = None`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from pagedserve.kv import KVCacheManager
+from pagedserve.kv.block_pool import Block
+from pagedserve.kv.watch import KVEvent, KVWatchLog
+
+INTERVAL = 0.25  # seconds between views: at most 4 a second
+MAX_REQUESTS = 64  # block tables sent per view (running first, then waiting)
+
+# A block's state in a view
+FREE, USED, SHARED, CACHED = 0, 1, 2, 3  # CACHED: free, but holding a prefix a request can still hit
+
+
+def block_state(block: Block) -> int:
+    if block.ref_count > 1:
+        return SHARED
+    if block.ref_count == 1:
+        return USED
+    return FREE if block.block_hash is None else CACHED
+
+
+class KVView(msgspec.Struct, array_like=True):
+    """The pool as the core sees it now: `states`/`refs` (one byte each, refs capped at 255) of every
+    block when `full`, else of `block_ids` alone (those changed since the last view)."""
+
+    time: float  # time.monotonic(): one clock for the processes of a machine
+    full: bool
+    block_size: int
+    num_blocks: int
+    block_ids: list[int]
+    states: bytes
+    refs: bytes
+    requests: list[tuple[str, str, int, list[int]]]  # (id, "running" or "waiting", tokens, block table)
+    num_requests: int
+    events: list[KVEvent]
+    offloaded_blocks: int  # blocks the KV tier holds (0 without one)
+
+
+class KVViewer:
+    """Starts and stops the pool's watch, and builds the views that are due."""
+
+    def __init__(self, kv: KVCacheManager, scheduler) -> None:
+        self.kv, self.scheduler = kv, scheduler
+        self.watching_until = 0.0
+        self._last_view = 0.0
+        self._full_next = False
+
+    @property
+    def watching(self) -> bool:
+        return self.kv.pool.watch is not None
+
+    def watch(self, seconds: float) -> None:
+        """Watch (or keep watching) for `seconds` from now; a front renews it while it has viewers."""
+        self.watching_until = time.monotonic() + max(0.0, seconds)
+        if not self.watching:
+            self.kv.pool.watch = KVWatchLog()
+            self._full_next = True
+
+    def take(self, busy: bool) -> KVView | None:
+        """The view to send now, if one is due: the first of a watch, or INTERVAL after the last, or a
+        change the front has not seen once the engine is idle (`busy` False)."""
+        if not self.watching:
+            return None
+        now = time.monotonic()
+        if now > self.watching_until:
+            self.kv.pool.watch = None  # nobody is looking: stop recording
+            return None
+        watch = self.kv.pool.watch
+        due = self._full_next or now - self._last_view >= INTERVAL or \
+            (not busy and (watch.changed or watch.events))
+        if not due:
+            return None
+        self._last_view = now
+        return self._build(now, watch)
+
+    def _build(self, now: float, watch: KVWatchLog) -> KVView:
+        pool = self.kv.pool
+        changed, events = watch.take()
+        full, self._full_next = self._full_next, False
+        blocks = pool.blocks if full else [pool.blocks[i] for i in changed]
+        states = bytes(block_state(b) for b in blocks)
+        refs = bytes(min(b.ref_count, 255) for b in blocks)
+        scheduler = self.scheduler
+        in_flight = [(r, "running") for r in scheduler.running[:MAX_REQUESTS]]
+        in_flight += [(r, "waiting") for r in list(scheduler.waiting)[:MAX_REQUESTS - len(in_flight)]]
+        requests = [(str(r.request_id), status, self.kv.num_tokens(r.request_id) if r.request_id in self.kv else 0,
+                     self.kv.block_ids(r.request_id) if r.request_id in self.kv else []) for r, status in in_flight]
+        tier = self.kv.tier
+        return KVView(now, full, self.kv.block_size, pool.num_blocks, [] if full else changed, states, refs,
+                      requests, len(scheduler.running) + len(scheduler.waiting), events,
+                      len(tier) if tier is not None and hasattr(tier, "__len__") else 0)

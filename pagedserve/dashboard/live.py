@@ -1,0 +1,116 @@
+"""The front's copy of the KV pool, kept from the core's `KVView`s, and the frames the page draws.
+
+The core sends every block's state once when a watch starts and then only the blocks that changed
+(core/kv_view.py); this keeps the whole pool as two byte arrays and turns it into a frame (the JSON
+the page renders; docs/architecture.md describes it) on request. A large pool is drawn as at most
+`MAX_CELLS` cells of several blocks each, each cell in the state most of its blocks are in.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+
+from pagedserve.core.kv_view import CACHED, FREE, SHARED, USED, KVView
+from pagedserve.core.messages import CoreStats
+
+MAX_CELLS = 4096
+MAX_EVENTS = 200  # sent in one frame (the newest)
+SERIES_POINTS = 240  # one a view: a minute at four views a second
+STATE_NAMES = {FREE: "free", USED: "used", SHARED: "shared", CACHED: "cached"}
+SERIES = ("t", "usage", "waste", "prefix_hit_rate", "running", "waiting", "tokens_per_s")
+
+
+class KVWatch:
+    """Thread-safe: views arrive on the core client's thread, frames are read on the event loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.version = 0  # views applied so far
+        self._origin: float | None = None  # the first view's time: frames count from it
+        self._states = np.zeros(0, np.uint8)
+        self._refs = np.zeros(0, np.uint8)
+        self._block_size = 0
+        self._view: KVView | None = None  # the latest (its requests and figures)
+        self._core: CoreStats | None = None
+        self._events: deque[dict] = deque(maxlen=MAX_EVENTS)
+        self._num_events = 0  # the seq of the next event
+        self._series: deque[tuple] = deque(maxlen=SERIES_POINTS)
+        self._tokens: tuple[float, int] | None = None  # (time, generated tokens) at the last view
+
+    def apply(self, view: KVView, core: CoreStats, generated_tokens: int) -> None:
+        """Take one view, with the core's figures sent beside it and the tokens generated so far."""
+        with self._lock:
+            if view.full:
+                self._states = np.frombuffer(view.states, np.uint8).copy()
+                self._refs = np.frombuffer(view.refs, np.uint8).copy()
+            elif len(self._states) == view.num_blocks:
+                ids = np.asarray(view.block_ids, np.int64)
+                self._states[ids] = np.frombuffer(view.states, np.uint8)
+                self._refs[ids] = np.frombuffer(view.refs, np.uint8)
+            else:
+                return  # changes to a pool this copy never saw whole (a new core): wait for its full view
+            if self._origin is None:
+                self._origin = view.time
+            self._block_size, self._view, self._core = view.block_size, view, core
+            for t, kind, request, blocks, text in view.events:
+                self._events.append({"seq": self._num_events, "t": round(t - self._origin, 3), "kind": kind,
+                                     "request": request, "blocks": blocks, "text": text})
+                self._num_events += 1
+            rate = 0.0
+            if self._tokens is not None and view.time > self._tokens[0]:
+                rate = (generated_tokens - self._tokens[1]) / (view.time - self._tokens[0])
+            self._tokens = (view.time, generated_tokens)
+            kv = core.kv
+            self._series.append((round(view.time - self._origin, 3), kv.usage, kv.waste, kv.prefix_hit_rate,
+                                 core.num_running, core.num_waiting, max(rate, 0.0)))
+            self.version += 1
+
+    def frame(self, since_seq: int = 0) -> tuple[dict | None, int]:
+        """The page's frame now, with the events numbered `since_seq` and later (at most MAX_EVENTS),
+        and the seq to ask from next time; (None, since_seq) before the first view."""
+        with self._lock:
+            view, core = self._view, self._core
+            if view is None:
+                return None, since_seq
+            cells, cell_refs, per_cell = _cells(self._states, self._refs)
+            counts = np.bincount(self._states, minlength=4)
+            kv = core.kv
+            events = [e for e in self._events if e["seq"] >= since_seq]
+            frame = {
+                "t": self._series[-1][0],
+                "block_size": self._block_size,
+                "num_blocks": len(self._states),
+                "cell_blocks": per_cell,
+                "cells": cells,
+                "cell_refs": cell_refs,
+                "counts": {STATE_NAMES[s]: int(counts[s]) for s in STATE_NAMES},
+                "engine": {"total_blocks": kv.total_blocks, "free_blocks": kv.free_blocks,
+                           "used_blocks": kv.used_blocks, "cached_free_blocks": kv.cached_free_blocks,
+                           "usage": kv.usage, "waste": kv.waste, "prefix_hit_rate": kv.prefix_hit_rate,
+                           "cow_copies": kv.cow_copies, "num_running": core.num_running,
+                           "num_waiting": core.num_waiting, "num_preemptions": core.num_preemptions,
+                           "offloaded_blocks": view.offloaded_blocks},
+                "requests": [{"id": i, "status": s, "num_tokens": n, "blocks": b} for i, s, n, b in view.requests],
+                "num_requests": view.num_requests,
+                "events": events,
+                "series": {name: [point[k] for point in self._series] for k, name in enumerate(SERIES)},
+            }
+            return frame, self._num_events
+
+
+def _cells(states: np.ndarray, refs: np.ndarray) -> tuple[list[int], list[int], int]:
+    """Each cell's state and largest ref count, and the blocks a cell stands for."""
+    per_cell = max(1, -(-len(states) // MAX_CELLS))
+    if per_cell == 1:
+        return states.tolist(), refs.tolist(), 1
+    pad = -len(states) % per_cell
+    grouped = np.concatenate([states, np.full(pad, 255, np.uint8)]).reshape(-1, per_cell)
+    # counts[cell, state]; ties go to the busier state (shared > used > cached > free), listed last
+    counts = np.stack([(grouped == s).sum(1) for s in (FREE, CACHED, USED, SHARED)], 1)
+    order = np.array([FREE, CACHED, USED, SHARED], np.uint8)
+    cells = order[counts.shape[1] - 1 - np.argmax(counts[:, ::-1], 1)]
+    cell_refs = np.concatenate([refs, np.zeros(pad, np.uint8)]).reshape(-1, per_cell).max(1)
+    return cells.tolist(), cell_refs.tolist(), per_cell
