@@ -19,6 +19,10 @@ engine's methods on the instance (`Timers`, monkeypatch-style; the engine's code
             figures encoded as msgpack (msgspec), sent and received over a ZMQ ipc PUSH/PULL pair
             (both ends in this process: the kernel's socket path without a second scheduler
             slice), decoded. The front then works on the decoded outputs
+  view      the live KV view (the dashboard): the core's kv_view() after every step (a no-op
+            unwatched), and when one is due, the front applying it and building the page's frame.
+            Its recording during the step (the pool noting changed blocks, the event log) falls
+            in the parts above: pool state "watched" has a viewer all along, "fresh" none
   stats     EngineCore._record_usage and core_stats(), plus the front's snapshot that the
             server publishes after every step (RequestTracker.snapshot)
   other     the rest of the step (_samplers, generator states, list building)
@@ -49,13 +53,14 @@ from pagedserve.bench.profile import Timers
 from pagedserve.config import EngineConfig
 from pagedserve.core.messages import CoreStats, EngineCoreOutputs
 from pagedserve.core.sampler import SamplingBatch
+from pagedserve.dashboard.live import KVWatch
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.streams import RequestTracker
 from pagedserve.kv.kv_cache_manager import cdiv
 from pagedserve.models.config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
 
-PARTS = ("schedule", "prepare", "forward", "sample", "commit", "transport", "output", "stats", "other")
+PARTS = ("schedule", "prepare", "forward", "sample", "commit", "transport", "output", "view", "stats", "other")
 WARMUP_STEPS = 3
 DEFAULT_TOKEN = 260  # " the" in SmolLM2's vocabulary: a plain word, not EOS, not special
 
@@ -150,6 +155,7 @@ class OverheadRow:
     mean_total_ms: float | None = None
     skipped: str | None = None  # why the scenario was not run
     cached_pool: bool = False  # every free block held a cached prefix when the scenario began
+    watched: bool = False  # the live KV view was on (a dashboard viewer) throughout
 
 
 def blocks_needed(requests: int, context: int, steps: int, block_size: int = 16) -> int:
@@ -173,7 +179,10 @@ class ZmqLoopback:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._seconds = 0.0
+        self._view_seconds = 0.0
         self.last_stats: CoreStats | None = None
+        self.watch = KVWatch()  # the front's copy of the pool, as AsyncLLM keeps it
+        self._since = 0
 
     def wrap(self, core):
         step = core.step
@@ -182,17 +191,25 @@ class ZmqLoopback:
             outputs = step()
             stats = core.core_stats()
             start = time.perf_counter()
-            self._push.send(self._encoder.encode(EngineCoreOutputs(outputs, stats)))
+            view = core.kv_view()
+            viewed = time.perf_counter()
+            self._push.send(self._encoder.encode(EngineCoreOutputs(outputs, stats, view)))
             message = self._decoder.decode(self._pull.recv())
-            self._seconds += time.perf_counter() - start
+            sent = time.perf_counter()
+            if message.kv_view is not None:  # the server's frame stream reads one per view at most
+                self.watch.apply(message.kv_view, message.stats, 0)
+                _, self._since = self.watch.frame(self._since)
+            self._seconds += sent - viewed
+            self._view_seconds += (viewed - start) + (time.perf_counter() - sent)
             self.last_stats = message.stats
             return message.outputs
 
         return step_over_the_wire
 
-    def take(self) -> float:
-        seconds, self._seconds = self._seconds, 0.0
-        return seconds
+    def take(self) -> tuple[float, float]:
+        """Seconds on the wire and in the live view since the last call."""
+        seconds, view, self._seconds, self._view_seconds = self._seconds, self._view_seconds, 0.0, 0.0
+        return seconds, view
 
     def close(self) -> None:
         self._push.close(linger=0)
@@ -215,13 +232,15 @@ def fill_prefix_cache(engine: LLMEngine) -> int:
 
 
 def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50, seed: int = 0,
-                 cached_pool: bool = False) -> OverheadRow:
+                 cached_pool: bool = False, watched: bool = False) -> OverheadRow:
     """Time `steps` steady decode steps of `requests` requests with `context`-token prompts on
     `engine` (a dry-run engine with nothing in flight); every block is free again afterwards.
-    cached_pool: fill the pool's prefix cache first (`fill_prefix_cache`)."""
+    cached_pool: fill the pool's prefix cache first (`fill_prefix_cache`); watched: a dashboard
+    viewer watches the pool from before the requests arrive."""
     kv = engine.kv
     row = OverheadRow(requests, context, kv.pool.num_blocks, steps,
-                      blocks_needed(requests, context, steps, kv.block_size), cached_pool=cached_pool)
+                      blocks_needed(requests, context, steps, kv.block_size), cached_pool=cached_pool,
+                      watched=watched)
     if row.blocks_needed > kv.pool.num_blocks:
         row.skipped = f"needs {row.blocks_needed:,} blocks"
         return row
@@ -230,6 +249,8 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
         return row
     if cached_pool:
         fill_prefix_cache(engine)
+    if watched:
+        engine.core.watch_kv(float("inf"))
     token_id = engine.model.token_id
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=WARMUP_STEPS + steps + 8, temperature=0.0, ignore_eos=True)
@@ -274,9 +295,11 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
                 raise RuntimeError(f"a timed step advanced {len(outputs)} of {requests} requests")
             t = timers.take()
             forward = t["forward"] + t["logits"]
+            transport, view = loopback.take()
             part = {"schedule": t["schedule"], "prepare": t["execute"] - forward, "forward": forward,
                     "sample": t["sampler"] + t["sample_build"], "commit": t["commit"], "output": t["front"],
-                    "transport": loopback.take(), "stats": t.get("usage", 0.0) + t["core_stats"] + (end - stepped)}
+                    "transport": transport, "view": view,
+                    "stats": t.get("usage", 0.0) + t["core_stats"] + (end - stepped)}
             part["other"] = (end - start) - sum(part.values())
             samples.append((end - start, part))
     finally:
@@ -292,6 +315,9 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
         raise RuntimeError(f"the dry run sampled {sorted(wrong)[:5]}, not its fixed token {token_id}")
     for i in range(requests):
         engine.abort_request(f"o{i}")
+    if watched:
+        engine.core.kv_viewer.watch(0.0)
+        engine.core.kv_view()  # the watch lapses: the pool records nothing again
     if kv.pool.num_free != kv.pool.num_blocks:
         raise RuntimeError(f"{kv.pool.num_used} blocks still used after every request ended")
     row.parts_ms = {p: statistics.median(s[p] for _, s in samples) * 1e3 for p in PARTS}
@@ -301,7 +327,7 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
     return row
 
 
-POOL_STATES = {"fresh": False, "cached": True}
+POOL_STATES = {"fresh": {}, "cached": {"cached_pool": True}, "watched": {"watched": True}}
 
 
 def run_overhead_bench(requests=(1, 64, 256), contexts=(512, 4096), pools=(10_000, 1_000_000), steps: int = 50,
@@ -309,8 +335,9 @@ def run_overhead_bench(requests=(1, 64, 256), contexts=(512, 4096), pools=(10_00
                        model_config: ModelConfig | None = None, log=print, **engine_kwargs) -> list[OverheadRow]:
     """Every (pool state, pool, context, requests) scenario, each on a fresh dry-run engine.
 
-    pool_states: "fresh" (a new engine: only the running requests' blocks are cached) and/or
-    "cached" (every free block first holds a cached prefix: `fill_prefix_cache`).
+    pool_states: "fresh" (a new engine: only the running requests' blocks are cached), "cached" (every
+    free block first holds a cached prefix: `fill_prefix_cache`) and/or "watched" (fresh, with the
+    live KV view on throughout).
     threads: torch's intra-op threads while it runs (None: leave as is). 1 by default: the step's
     tensors are tiny, and on a machine whose other cores are busy a 2-thread op waits for a
     scheduler slice (about 8 ms per op on a shared 2-core VM), which measures the neighbours."""
@@ -331,11 +358,11 @@ def run_overhead_bench(requests=(1, 64, 256), contexts=(512, 4096), pools=(10_00
                     for pool in pools:
                         if blocks_needed(n, context, steps) > pool:
                             row = OverheadRow(n, context, pool, steps, blocks_needed(n, context, steps),
-                                              cached_pool=POOL_STATES[state])
+                                              **POOL_STATES[state])
                             row.skipped = f"needs {row.blocks_needed:,} blocks"
                         else:
                             engine = build_dry_engine(pool, tokenizer, model_config, **engine_kwargs)
-                            row = run_scenario(engine, n, context, steps, cached_pool=POOL_STATES[state])
+                            row = run_scenario(engine, n, context, steps, **POOL_STATES[state])
                             del engine
                         rows.append(row)
                         log(f"  {state} pool of {pool:,}, {n} requests, context {context}: "
@@ -348,7 +375,7 @@ def run_overhead_bench(requests=(1, 64, 256), contexts=(512, 4096), pools=(10_00
 
 
 def _state(row: OverheadRow) -> str:
-    return "cached" if row.cached_pool else "fresh"
+    return "watched" if row.watched else "cached" if row.cached_pool else "fresh"
 
 
 def check_targets(rows: list[OverheadRow]) -> list[tuple[str, bool | None, str]]:
@@ -386,7 +413,8 @@ def format_table(rows: list[OverheadRow], threads: int | None = 1) -> str:
     lines = [f"Host time per decode step, dry-run model (forward is a no-op), block size 16, torch threads: "
              f"{threads or torch.get_num_threads()}; median of {steps} timed steps (mean total in the last column; "
              "core = total - output, the core's own time when the front runs in the API process). "
-             "Pool \"fresh\": a new engine; \"cached\": every free block held a cached prefix first.", "",
+             "Pool \"fresh\": a new engine; \"cached\": every free block held a cached prefix first; "
+             "\"watched\": fresh, with a live KV view (dashboard) on.", "",
              "| pool | pool blocks | requests | context | " + " | ".join(f"{p} ms" for p in PARTS)
              + " | total ms | core ms | mean total ms |",
              "|---|" + "---:|" * (6 + len(PARTS))]
@@ -415,7 +443,7 @@ def plot(rows: list[OverheadRow], path: str) -> None:
         series = sorted((r.requests, r.total_ms) for r in rows
                         if (_state(r), r.context, r.pool_blocks) == (state, context, pool) and not r.skipped)
         if series:
-            ax.plot(*zip(*series), marker="o", linestyle="-" if state == "fresh" else "--",
+            ax.plot(*zip(*series), marker="o", linestyle={"fresh": "-", "cached": "--", "watched": ":"}[state],
                     label=f"{state} pool of {pool:,} blocks, context {context:,}")
     ax.axhline(2.0, color="gray", linestyle="--", linewidth=1, label="target: 2 ms")
     ax.set_xscale("log")

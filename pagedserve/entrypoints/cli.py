@@ -785,9 +785,9 @@ def build_parser() -> argparse.ArgumentParser:
     ovh.add_argument("--contexts", type=int, nargs="+", default=[512, 4096], help="prompt tokens per request")
     ovh.add_argument("--pools", type=int, nargs="+", default=[10_000, 1_000_000], help="KV pool sizes in blocks of 16")
     ovh.add_argument("--steps", type=int, default=50, help="timed decode steps per scenario")
-    ovh.add_argument("--pool-states", nargs="+", default=["fresh", "cached"], choices=["fresh", "cached"],
+    ovh.add_argument("--pool-states", nargs="+", default=["fresh", "cached"], choices=["fresh", "cached", "watched"],
                      help="fresh: a new engine; cached: every free block holds a cached prefix first (a server "
-                     "that has run a while)")
+                     "that has run a while); watched: fresh, with a dashboard viewer watching the KV pool")
     ovh.add_argument("--threads", type=int, default=1, help="torch intra-op threads while it runs (0: leave as is)")
     ovh.add_argument("--out-dir", default="docs")
     ovh.add_argument("--json", default=None)

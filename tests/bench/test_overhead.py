@@ -92,6 +92,16 @@ def test_a_cached_pool_holds_a_prefix_in_every_free_block(model_config, embedded
     assert engine.kv.pool.num_free == 64 and len(engine.kv.pool.cached) == 64 - 6 + 4
 
 
+def test_a_watched_scenario_builds_views_and_stops_recording(model_config, embedded_tokenizer):
+    engine = build_dry_engine(64, embedded_tokenizer, model_config)
+    row = run_scenario(engine, requests=2, context=40, steps=3, watched=True)
+    assert row.watched and row.parts_ms["view"] > 0
+    assert engine.kv.pool.watch is None  # the viewer left: nothing is recorded any more
+    unwatched = run_scenario(build_dry_engine(64, embedded_tokenizer, model_config), requests=2, context=40, steps=3)
+    assert not unwatched.watched and unwatched.parts_ms["view"] >= 0
+    assert "| watched | 64 | 2 | 40 |" in format_table([row, unwatched])
+
+
 def test_the_cli_writes_the_table_plot_and_json(model_config, embedded_tokenizer, tmp_path, monkeypatch, capsys):
     import json
 
