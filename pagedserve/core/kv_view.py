@@ -1,8 +1,10 @@
 """The core's side of the live KV view: while a front watches, a `KVView` rides on the step outputs
 at most `INTERVAL` apart (and once more when the engine goes idle, so the last state is seen).
 
-The first view after a watch starts holds every block's state; later ones only the blocks the pool
-noted as changed (`kv/watch.py`), the block tables of the requests in flight and the events since.
+The first view after a watch starts is `full`: the state of every block that is not free (those in a
+table or in the prefix cache; every other block is free), so that its cost grows with what is held,
+not with the pool. Later views carry only the blocks the pool noted as changed (`kv/watch.py`); each
+also carries the block tables of the requests in flight and the events since the last.
 Unwatched, nothing is recorded: the pool and the manager carry `watch = None`.
 """
 
@@ -32,8 +34,9 @@ def block_state(block: Block) -> int:
 
 
 class KVView(msgspec.Struct, array_like=True):
-    """The pool as the core sees it now: `states`/`refs` (one byte each, refs capped at 255) of every
-    block when `full`, else of `block_ids` alone (those changed since the last view)."""
+    """The pool as the core sees it now: `states`/`refs` (one byte each, refs capped at 255) of the
+    blocks `block_ids`: when `full`, every block not free (the others are); else those changed since
+    the last view."""
 
     time: float  # time.monotonic(): one clock for the processes of a machine
     full: bool
@@ -89,7 +92,9 @@ class KVViewer:
         pool = self.kv.pool
         changed, events = watch.take()
         full, self._full_next = self._full_next, False
-        blocks = pool.blocks if full else [pool.blocks[i] for i in changed]
+        if full:
+            changed = sorted(self.kv.held_block_ids() | {b.block_id for b in pool.cached.values()})
+        blocks = [pool.blocks[i] for i in changed]
         states = bytes(block_state(b) for b in blocks)
         refs = bytes(min(b.ref_count, 255) for b in blocks)
         scheduler = self.scheduler
@@ -98,6 +103,6 @@ class KVViewer:
         requests = [(str(r.request_id), status, self.kv.num_tokens(r.request_id) if r.request_id in self.kv else 0,
                      self.kv.block_ids(r.request_id) if r.request_id in self.kv else []) for r, status in in_flight]
         tier = self.kv.tier
-        return KVView(now, full, self.kv.block_size, pool.num_blocks, [] if full else changed, states, refs,
+        return KVView(now, full, self.kv.block_size, pool.num_blocks, changed, states, refs,
                       requests, len(scheduler.running) + len(scheduler.waiting), events,
                       len(tier) if tier is not None and hasattr(tier, "__len__") else 0)

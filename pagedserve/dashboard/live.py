@@ -43,15 +43,14 @@ class KVWatch:
     def apply(self, view: KVView, core: CoreStats, generated_tokens: int) -> None:
         """Take one view, with the core's figures sent beside it and the tokens generated so far."""
         with self._lock:
-            if view.full:
-                self._states = np.frombuffer(view.states, np.uint8).copy()
-                self._refs = np.frombuffer(view.refs, np.uint8).copy()
-            elif len(self._states) == view.num_blocks:
-                ids = np.asarray(view.block_ids, np.int64)
-                self._states[ids] = np.frombuffer(view.states, np.uint8)
-                self._refs[ids] = np.frombuffer(view.refs, np.uint8)
-            else:
+            if view.full:  # every block not listed is free
+                self._states = np.full(view.num_blocks, FREE, np.uint8)
+                self._refs = np.zeros(view.num_blocks, np.uint8)
+            elif len(self._states) != view.num_blocks:
                 return  # changes to a pool this copy never saw whole (a new core): wait for its full view
+            ids = np.asarray(view.block_ids, np.int64)
+            self._states[ids] = np.frombuffer(view.states, np.uint8)
+            self._refs[ids] = np.frombuffer(view.refs, np.uint8)
             if self._origin is None:
                 self._origin = view.time
             self._block_size, self._view, self._core = view.block_size, view, core

@@ -438,6 +438,10 @@ class KVCacheManager:
 
     # ---- figures -------------------------------------------------------------------------
 
+    def held_block_ids(self) -> set[int]:
+        """Every block some table holds (O(blocks held))."""
+        return {b for table in self._tables.values() for b in table.block_ids}
+
     def note(self, kind: str, req_id: RequestId, text: str) -> None:
         """Record an event about a request's blocks that the caller decided (a preemption), while watched."""
         if self.pool.watch is not None:
