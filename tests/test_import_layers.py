@@ -30,10 +30,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedserve.models",),
     ("pagedserve.lora",),  # LoRA adapters: their weights, the slots' stacks on the model, a runner's adapters
     # What the core plans and samples, which the worker side reads.
-    ("pagedserve.core.request", "pagedserve.core.messages", "pagedserve.core.scheduler", "pagedserve.core.sampler"),
+    ("pagedserve.core.request", "pagedserve.core.messages", "pagedserve.core.scheduler", "pagedserve.core.sampler",
+     "pagedserve.core.kv_view"),
     ("pagedserve.worker",),
     ("pagedserve.executor",),
     ("pagedserve.core",),  # the engine core and its process
+    ("pagedserve.dashboard",),  # the live KV view: the front's copy of the pool, its frames and page
     ("pagedserve.engine",),  # the front: requests in, outputs out, over any core client
     ("pagedserve.entrypoints",),
     ("pagedserve.bench",),
