@@ -69,8 +69,13 @@ def wait_for_frames(page, more_than: int) -> None:
 
 
 def open_live(page, url: str) -> dict:
+    refused = []  # what the server turned down, to say why a page never went live
+    page.on("response", lambda response: response.status >= 400 and refused.append(f"{response.status} {response.url}"))
     page.goto(url)
-    expect(page.locator("#status")).to_have_text("live", timeout=WAIT_MS)
+    try:
+        expect(page.locator("#status")).to_have_text("live", timeout=WAIT_MS)
+    except AssertionError as e:
+        raise AssertionError(f"the page did not go live; responses refused: {refused}") from e
     wait_for_frames(page, 0)
     shown = figures(page)
     assert shown["mode"] == "live"
@@ -152,8 +157,8 @@ def test_the_live_page_shows_sharing_forks_copies_and_the_pool_coming_back(small
                   block: cell && cell.dataset.block, tables};
         }""")
         # "<request id> block <logical index> tokens <first>-<last>", one line per owner.
-        owners = [re.fullmatch(r"(.+) block (\d+) tokens (\d+)-(\d+)", line.strip()) for line in tip["text"].splitlines()]
-        owners = [m.groups() for m in owners if m]
+        owner_line = re.compile(r"(.+) block (\d+) tokens (\d+)-(\d+)")
+        owners = [m.groups() for m in (owner_line.fullmatch(line.strip()) for line in tip["text"].splitlines()) if m]
         assert tip["state"] == "shared" and len({o[0] for o in owners}) >= 2, tip
         for request, index, first, last in owners:
             assert tip["tables"][request][int(index)] == tip["block"], (request, index, tip)
@@ -199,7 +204,8 @@ def test_the_walkthrough_replays_step_by_step(page, screenshot_dir, tmp_path):
     events_so_far = [len({e["seq"] for f in frames[:i + 1] for e in f["events"]}) for i in range(n)]
 
     page.goto(path.as_uri())
-    position, caption, events = page.locator("#replay-position"), page.locator("#caption"), page.locator("#events .event")
+    position, caption = page.locator("#replay-position"), page.locator("#caption")
+    events = page.locator("#events .event")
     expect(position).to_have_text(f"1 / {n}", timeout=WAIT_MS)
     for i, frame in enumerate(frames):
         if i:
