@@ -8,6 +8,7 @@
 - `paged_harness` (the PagedHarness class): drives our model the way the engine does, over a
   pool whose blocks are handed out in random order.
 - `embedded_adapter`, `tiny_adapter`: LoRA adapters made with PEFT (tests/lora/lora_fixtures.py).
+- `browser`, `page`, `screenshot_dir`: headless Chromium for the dashboard (tests/dashboard/browser.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from pagedserve.attention import get_backend
 from pagedserve.attention.kv_cache import allocate_kv_cache
 
-pytest_plugins = ["tests.lora.lora_fixtures"]  # fixtures that any directory's tests may use
+pytest_plugins = ["tests.lora.lora_fixtures", "tests.dashboard.browser"]  # fixtures any directory's tests may use
 
 _DIMS = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
