@@ -16,7 +16,7 @@ import msgspec
 
 from pagedserve.kv import KVCacheManager
 from pagedserve.kv.block_pool import Block
-from pagedserve.kv.watch import KVEvent, KVWatchLog
+from pagedserve.kv.watch import KVEvent, KVWatchLog, request_label
 
 INTERVAL = 0.25  # seconds between views: at most 4 a second
 MAX_REQUESTS = 64  # block tables sent per view (running first, then waiting)
@@ -100,7 +100,7 @@ class KVViewer:
         scheduler = self.scheduler
         in_flight = [(r, "running") for r in scheduler.running[:MAX_REQUESTS]]
         in_flight += [(r, "waiting") for r in list(scheduler.waiting)[:MAX_REQUESTS - len(in_flight)]]
-        requests = [(str(r.request_id), status, self.kv.num_tokens(r.request_id) if r.request_id in self.kv else 0,
+        requests = [(request_label(r.request_id), status, self.kv.num_tokens(r.request_id) if r.request_id in self.kv else 0,
                      self.kv.block_ids(r.request_id) if r.request_id in self.kv else []) for r, status in in_flight]
         tier = self.kv.tier
         return KVView(now, full, self.kv.block_size, pool.num_blocks, changed, states, refs,

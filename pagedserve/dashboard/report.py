@@ -1,5 +1,6 @@
-"""The dashboard page's files for the server, and the self-contained report: the same page with its
-CSS and JS inlined and a list of frames embedded, which it steps through (replay mode)."""
+"""The dashboard page as one document with its CSS and JS inline: live (`render_page()`, which the
+server sends at /dashboard: one response, so an API key in the address covers everything), or as a
+self-contained report with a list of frames embedded, which it steps through (`render_report`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def frames_json(frames: list[dict]) -> str:
 def render_report(frames: list[dict], title: str) -> str:
     """One HTML document that needs nothing else: the dashboard page with its CSS and JS inline and
     `frames` (each with its "caption") embedded as <script id="frames" type="application/json">."""
+    return render_page(title, frames)
+
+
+def render_page(title: str = _DEFAULT_TITLE, frames: list[dict] | None = None) -> str:
+    """The page with its CSS and JS inline; with `frames`, they are embedded (replay), else the page
+    reads the live event stream."""
     page = _text("index.html")
     css = _text("dashboard.css")
     js = _text("dashboard.js")
@@ -56,6 +63,6 @@ def render_report(frames: list[dict], title: str) -> str:
     page = page.replace(f'<h1 id="title">{_DEFAULT_TITLE}</h1>', f'<h1 id="title">{escaped_title}</h1>')
     page = page.replace(_CSS_LINK, "<style>\n" + css + "</style>")
     # The frames go before the code, which reads them as it starts.
-    embedded = f'<script id="frames" type="application/json">{frames_json(frames)}</script>\n'
+    embedded = "" if frames is None else f'<script id="frames" type="application/json">{frames_json(frames)}</script>\n'
     page = page.replace(_JS_SCRIPT, embedded + "<script>\n" + js + "</script>")
     return page

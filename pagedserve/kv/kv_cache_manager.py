@@ -31,6 +31,7 @@ from typing import Any, Hashable, Sequence
 
 from pagedserve.kv.block_pool import Block, BlockPool
 from pagedserve.kv.sizes import cdiv
+from pagedserve.kv.watch import request_label
 
 RequestId = Hashable
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
@@ -332,7 +333,7 @@ class KVCacheManager:
             list(parent.blocks), parent.num_tokens, hashes, min(parent.num_offered, num_full), parent.extra_keys
         )
         if self.pool.watch is not None:
-            self.pool.watch.add("fork", child_id, parent.block_ids, f"forked from {parent_id}: shares all "
+            self.pool.watch.add("fork", child_id, parent.block_ids, f"forked from {request_label(parent_id)}: shares all "
                                 f"{len(parent.blocks)} of its blocks ({parent.num_tokens} tokens)")
 
     def free(self, req_id: RequestId) -> None:

@@ -16,6 +16,13 @@ KVEvent = tuple[float, str, str | None, list[int], str]
 EVENT_KINDS = ("admit", "grow", "prefix_hit", "fork", "cow", "preempt", "offload", "free", "evict")
 
 
+def request_label(request: object) -> str:
+    """A request id as the view shows it: the engine's (user request id, sample index) as "id-index"."""
+    if isinstance(request, tuple) and len(request) == 2:
+        return f"{request[0]}-{request[1]}"
+    return str(request)
+
+
 class KVWatchLog:
     """Blocks changed and events since the last `take`; older events beyond `capacity` are dropped."""
 
@@ -24,7 +31,8 @@ class KVWatchLog:
         self.events: deque[KVEvent] = deque(maxlen=capacity)
 
     def add(self, kind: str, request: object, blocks: Iterable[int], text: str) -> None:
-        self.events.append((time.monotonic(), kind, None if request is None else str(request), list(blocks), text))
+        self.events.append((time.monotonic(), kind, None if request is None else request_label(request), list(blocks),
+                            text))
 
     def take(self) -> tuple[list[int], list[KVEvent]]:
         changed, events = sorted(self.changed), list(self.events)

@@ -1,5 +1,5 @@
-"""The live KV dashboard: GET /dashboard (the page), /dashboard/static/{name} (its script and style)
-and /dashboard/events (Server-Sent Events, one frame per message, at most `FRAMES_PER_SECOND`).
+"""The live KV dashboard: GET /dashboard (the page, its script and style inline) and /dashboard/events
+(Server-Sent Events, one frame per message, at most `FRAMES_PER_SECOND`).
 
 While at least one viewer is connected the server renews the core's watch (`EngineClient.watch_kv`);
 once the last one leaves the watch lapses after `WATCH_SECONDS` and the core records nothing again.
@@ -17,9 +17,9 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, StreamingResponse
 
-from pagedserve.dashboard.report import static_file
+from pagedserve.dashboard.report import render_page
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.serving_engine import APIError, Drain
 
@@ -30,6 +30,8 @@ KEEP_ALIVE_EVERY = 15.0  # an SSE comment, so that idle proxies keep the stream 
 
 
 def add_dashboard_routes(app: FastAPI, engine: EngineClient, drain: Drain) -> None:
+    page = render_page()
+
     def watch():
         if engine.kv_watch is None:
             raise APIError(404, "The KV dashboard shows one engine's pool; this server runs replicas, each "
@@ -39,15 +41,7 @@ def add_dashboard_routes(app: FastAPI, engine: EngineClient, drain: Drain) -> No
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard_page() -> HTMLResponse:
         watch()
-        return HTMLResponse(static_file("index.html")[0])
-
-    @app.get("/dashboard/static/{name}", include_in_schema=False)
-    async def dashboard_static(name: str) -> Response:
-        try:
-            content, media_type = static_file(name)
-        except (KeyError, ValueError):
-            raise APIError(404, f"no dashboard file {name!r}", code="not_found") from None
-        return Response(content, media_type=media_type)
+        return HTMLResponse(page)
 
     @app.get("/dashboard/events", include_in_schema=False)
     async def dashboard_events(request: Request) -> StreamingResponse:

@@ -124,13 +124,13 @@ def test_the_dashboard_needs_the_api_key_when_one_is_set(embedded_model, embedde
     engine = LLMEngine(EngineConfig(num_kv_blocks=32, max_model_len=512), model=embedded_model,
                        tokenizer=embedded_tokenizer)
     with serve_engine(engine, api_key="sesame") as server:
-        for path in ("/dashboard", "/dashboard/static/dashboard.js", "/dashboard/events"):
+        for path in ("/dashboard", "/dashboard/events"):
             refused = httpx.get(server.url + path)
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
             assert httpx.get(server.url + path, params={"api_key": "wrong"}).status_code == 401
         page = httpx.get(server.url + "/dashboard", headers={"Authorization": "Bearer sesame"})
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-        assert httpx.get(server.url + "/dashboard/static/dashboard.css", params={"api_key": "sesame"}).status_code == 200
+        assert httpx.get(server.url + "/dashboard", params={"api_key": "sesame"}).status_code == 200
         # The key in the query opens the dashboard only, not the API.
         assert httpx.get(server.url + "/v1/models", params={"api_key": "sesame"}).status_code == 401
         reader = FrameReader(server.url, api_key="sesame")
@@ -140,13 +140,16 @@ def test_the_dashboard_needs_the_api_key_when_one_is_set(embedded_model, embedde
             reader.stop()
 
 
-def test_no_dashboard_and_unknown_files(embedded_model, embedded_tokenizer):
+def test_the_page_is_one_response_and_no_dashboard_serves_none(embedded_model, embedded_tokenizer):
     engine = LLMEngine(EngineConfig(num_kv_blocks=32, max_model_len=512), model=embedded_model,
                        tokenizer=embedded_tokenizer)
     with serve_engine(engine) as server:
-        for name in ("__init__.py", "report.py", "nothing.js"):  # files beside the page's are not served
-            missing = httpx.get(server.url + "/dashboard/static/" + name)
-            assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        page = httpx.get(server.url + "/dashboard").text
+        # Its style and script are inline (one request, which an API key in the address covers), and
+        # it fetches nothing from anywhere else.
+        assert "<style>" in page and "EventSource" in page and 'type="application/json">[' not in page  # no frames embedded: live
+        assert "static/dashboard" not in page.split("</head>")[1] and "http://" not in page and "https://" not in page
+        assert httpx.get(server.url + "/dashboard/static/dashboard.js").status_code == 404
     with serve_engine(engine, dashboard=False) as server:
         for path in ("/dashboard", "/dashboard/events"):
             assert httpx.get(server.url + path).status_code == 404
