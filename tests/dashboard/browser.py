@@ -1,7 +1,7 @@
 """Headless Chromium for the dashboard's browser tests, through Playwright's sync API. Registered for
 every test directory by tests/conftest.py (pytest_plugins).
 
-- `browser`: one Chromium per session: Debian's, at CHROMIUM (`make test` installs it when missing;
+- `browser`: one Chromium per test module: Debian's, at CHROMIUM (`make test` installs it when missing;
   Playwright's own browser download is not used).
 - `page`: a fresh context (its own cookies and storage) per test, VIEWPORT in size; a test fails if
   the page throws an uncaught JavaScript error.
@@ -32,8 +32,10 @@ CHROMIUM_ARGS = [
 VIEWPORT = {"width": 1400, "height": 1000}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    # Module-scoped: while Playwright's sync API is open, its event loop counts as the thread's running
+    # loop, and the tests after it that call asyncio.run would fail.
     with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:

@@ -113,6 +113,9 @@ def test_the_openai_client_works_through_the_ingress(two_replicas, checkpoint):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(f"{url}/health").status_code == 200
+    # No one pool to draw across replicas: the live KV view says so.
+    dashboard = httpx.get(f"{url}/dashboard", headers={"Authorization": f"Bearer {KEY}"})
+    assert dashboard.status_code == 404 and "replicas" in dashboard.json()["error"]["message"]
 
     # Each replica's engine figures, under vLLM's names and a replica label. Replicas report every
     # second, and the router records a report as it routes: route small requests until the
