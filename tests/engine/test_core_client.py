@@ -67,6 +67,9 @@ class ScriptedCore:
     def core_stats(self) -> CoreStats:
         return CoreStats(0, len(self.left), KVCacheStats(8, 8, 0, 0, 0, 0, 0, 0, 0), 0)
 
+    def kv_view(self) -> None:
+        return None  # nobody watches the pool here
+
     def check_health(self) -> None:
         pass
 
