@@ -62,7 +62,7 @@ class KVViewer:
 
     @property
     def watching(self) -> bool:
-        return self.kv.pool.watch is not None
+        return self.kv.watched
 
     def watch(self, seconds: float) -> None:
         """Watch (or keep watching) for `seconds` from now; a front renews it while it has viewers."""

@@ -250,9 +250,11 @@ class Scheduler:
             request.num_computed_tokens // self.kv.block_size >= SWAP_MIN_BLOCKS
 
     def _preempt(self, request: Request) -> None:
-        self.kv.note("preempt", request.request_id, f"preempted (pool full) after {request.num_computed_tokens} "
-                     f"tokens: its blocks are freed, it waits to be {'swapped back' if self._swaps(request) else 'recomputed'}")
-        if self._swaps(request):
+        swapped = self._swaps(request)
+        if self.kv.watched:
+            self.kv.note("preempt", request.request_id, f"preempted (pool full) after {request.num_computed_tokens} "
+                         f"tokens: its blocks are freed, it waits to be {'swapped back' if swapped else 'recomputed'}")
+        if swapped:
             self.kv.offload(request.request_id)
         self.running.remove(request)
         self._release(request)

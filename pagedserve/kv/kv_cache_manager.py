@@ -443,6 +443,11 @@ class KVCacheManager:
         """Every block some table holds (O(blocks held))."""
         return {b for table in self._tables.values() for b in table.block_ids}
 
+    @property
+    def watched(self) -> bool:
+        """Whether a live view records what happens (kv/watch.py)."""
+        return self.pool.watch is not None
+
     def note(self, kind: str, req_id: RequestId, text: str) -> None:
         """Record an event about a request's blocks that the caller decided (a preemption), while watched."""
         if self.pool.watch is not None:

@@ -13,11 +13,9 @@ import threading
 import pytest
 from playwright.sync_api import expect
 
-from pagedserve.config import EngineConfig
 from pagedserve.dashboard.walkthrough import walkthrough_frames
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints import cli
-from tests.entrypoints.openai.server_harness import MODEL, read_metrics, serve_engine
+from tests.entrypoints.openai.server_harness import MODEL, read_metrics, serve_small_pool
 
 pytestmark = pytest.mark.slow
 
@@ -84,9 +82,7 @@ def open_live(page, url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def small_server(embedded_model, embedded_tokenizer):
-    engine = LLMEngine(EngineConfig(num_kv_blocks=64, max_model_len=1024), model=embedded_model,
-                       tokenizer=embedded_tokenizer)
-    with serve_engine(engine) as server:
+    with serve_small_pool(embedded_model, embedded_tokenizer, num_kv_blocks=64) as server:
         yield server
 
 
@@ -182,9 +178,7 @@ def test_the_live_page_shows_sharing_forks_copies_and_the_pool_coming_back(small
 
 
 def test_the_page_streams_with_the_api_key_in_its_address(embedded_model, embedded_tokenizer, page):
-    engine = LLMEngine(EngineConfig(num_kv_blocks=32, max_model_len=512), model=embedded_model,
-                       tokenizer=embedded_tokenizer)
-    with serve_engine(engine, api_key="k") as server:
+    with serve_small_pool(embedded_model, embedded_tokenizer, num_kv_blocks=32, api_key="k") as server:
         first = open_live(page, f"{server.url}/dashboard?api_key=k")
         assert first["engine"]["total"] == 32
         server.client(api_key="k").completions.create(model=MODEL, prompt="Hello", max_tokens=8)

@@ -14,6 +14,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.openai.api_server import build_app
@@ -88,6 +89,16 @@ def serve_engine(engine: LLMEngine, **app_options) -> Iterator[Server]:
             yield Server(url, engine, async_engine)
     finally:
         async_engine.shutdown()
+
+
+@contextmanager
+def serve_small_pool(model, tokenizer, num_kv_blocks: int, **app_options) -> Iterator[Server]:
+    """serve_engine over a new engine on (model, tokenizer) with a pool of `num_kv_blocks` blocks of 16:
+    small enough to draw and read block by block (max_model_len: what it holds, at most 1024)."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=num_kv_blocks, max_model_len=min(1024, 16 * num_kv_blocks)),
+                       model=model, tokenizer=tokenizer)
+    with serve_engine(engine, **app_options) as server:
+        yield server
 
 
 def read_metrics(url: str) -> dict[str, float]:

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import MODEL, assert_all_free, serve_engine
+from server_harness import MODEL, assert_all_free, serve_engine, serve_small_pool
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
@@ -63,9 +63,7 @@ class FrameReader:
 
 @pytest.fixture(scope="module")
 def small_server(embedded_model, embedded_tokenizer):
-    engine = LLMEngine(EngineConfig(num_kv_blocks=64, max_model_len=1024), model=embedded_model,
-                       tokenizer=embedded_tokenizer)
-    with serve_engine(engine) as server:
+    with serve_small_pool(embedded_model, embedded_tokenizer, num_kv_blocks=64) as server:
         yield server
 
 
@@ -121,9 +119,7 @@ def test_the_watch_lapses_when_nobody_looks(small_server, monkeypatch):
 
 
 def test_the_dashboard_needs_the_api_key_when_one_is_set(embedded_model, embedded_tokenizer):
-    engine = LLMEngine(EngineConfig(num_kv_blocks=32, max_model_len=512), model=embedded_model,
-                       tokenizer=embedded_tokenizer)
-    with serve_engine(engine, api_key="sesame") as server:
+    with serve_small_pool(embedded_model, embedded_tokenizer, num_kv_blocks=32, api_key="sesame") as server:
         for path in ("/dashboard", "/dashboard/events"):
             refused = httpx.get(server.url + path)
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
