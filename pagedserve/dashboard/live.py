@@ -39,6 +39,7 @@ class KVWatch:
         self._num_events = 0  # the seq of the next event
         self._series: deque[tuple] = deque(maxlen=SERIES_POINTS)
         self._tokens: tuple[float, int] | None = None  # (time, generated tokens) at the last view
+        self._frame: tuple[int, dict] | None = None  # (version, frame without its events): viewers share it
 
     def apply(self, view: KVView, core: CoreStats, generated_tokens: int) -> None:
         """Take one view, with the core's figures sent beside it and the tokens generated so far."""
@@ -69,35 +70,40 @@ class KVWatch:
 
     def frame(self, since_seq: int = 0) -> tuple[dict | None, int]:
         """The page's frame now, with the events numbered `since_seq` and later (at most MAX_EVENTS),
-        and the seq to ask from next time; (None, since_seq) before the first view."""
+        and the seq to ask from next time; (None, since_seq) before the first view. Built once per view
+        and shared by every stream (only the events differ): read it, do not change it."""
         with self._lock:
-            view, core = self._view, self._core
-            if view is None:
+            if self._view is None:
                 return None, since_seq
-            cells, cell_refs, per_cell = _cells(self._states, self._refs)
-            counts = np.bincount(self._states, minlength=4)
-            kv = core.kv
+            if self._frame is None or self._frame[0] != self.version:
+                self._frame = (self.version, self._shared_frame())
             events = [e for e in self._events if e["seq"] >= since_seq]
-            frame = {
-                "t": self._series[-1][0],
-                "block_size": self._block_size,
-                "num_blocks": len(self._states),
-                "cell_blocks": per_cell,
-                "cells": cells,
-                "cell_refs": cell_refs,
-                "counts": {STATE_NAMES[s]: int(counts[s]) for s in STATE_NAMES},
-                "engine": {"total_blocks": kv.total_blocks, "free_blocks": kv.free_blocks,
-                           "used_blocks": kv.used_blocks, "cached_free_blocks": kv.cached_free_blocks,
-                           "usage": kv.usage, "waste": kv.waste, "prefix_hit_rate": kv.prefix_hit_rate,
-                           "cow_copies": kv.cow_copies, "num_running": core.num_running,
-                           "num_waiting": core.num_waiting, "num_preemptions": core.num_preemptions,
-                           "offloaded_blocks": view.offloaded_blocks},
-                "requests": [{"id": i, "status": s, "num_tokens": n, "blocks": b} for i, s, n, b in view.requests],
-                "num_requests": view.num_requests,
-                "events": events,
-                "series": {name: [point[k] for point in self._series] for k, name in enumerate(SERIES)},
-            }
-            return frame, self._num_events
+            return {**self._frame[1], "events": events}, self._num_events
+
+    def _shared_frame(self) -> dict:
+        """With the lock held: the frame of the latest view, but for the events each stream picks."""
+        view, core = self._view, self._core
+        cells, cell_refs, per_cell = _cells(self._states, self._refs)
+        counts = np.bincount(self._states, minlength=4)
+        kv = core.kv
+        return {
+            "t": self._series[-1][0],
+            "block_size": self._block_size,
+            "num_blocks": len(self._states),
+            "cell_blocks": per_cell,
+            "cells": cells,
+            "cell_refs": cell_refs,
+            "counts": {STATE_NAMES[s]: int(counts[s]) for s in STATE_NAMES},
+            "engine": {"total_blocks": kv.total_blocks, "free_blocks": kv.free_blocks,
+                       "used_blocks": kv.used_blocks, "cached_free_blocks": kv.cached_free_blocks,
+                       "usage": kv.usage, "waste": kv.waste, "prefix_hit_rate": kv.prefix_hit_rate,
+                       "cow_copies": kv.cow_copies, "num_running": core.num_running,
+                       "num_waiting": core.num_waiting, "num_preemptions": core.num_preemptions,
+                       "offloaded_blocks": view.offloaded_blocks},
+            "requests": [{"id": i, "status": s, "num_tokens": n, "blocks": b} for i, s, n, b in view.requests],
+            "num_requests": view.num_requests,
+            "series": {name: [point[k] for point in self._series] for k, name in enumerate(SERIES)},
+        }
 
 
 def _cells(states: np.ndarray, refs: np.ndarray) -> tuple[list[int], list[int], int]:

@@ -11,6 +11,7 @@ free or cached.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from types import SimpleNamespace
 
@@ -68,7 +69,7 @@ class _Run:
         if view is not None:
             stats = CoreStats(len(self.queues.running), len(self.queues.waiting), self.kv.stats(), self.preemptions)
             self.watch.apply(view, stats, self.generated)
-        frame, _ = self.watch.frame()
+        frame = copy.deepcopy(self.watch.frame()[0])  # edited below; the watch shares its parts between calls
         step = len(self.frames)
         seen = {e["seq"] for f in self.frames for e in f["events"]}
         for event in frame["events"]:  # time in steps, not in the microseconds the script took
