@@ -470,7 +470,8 @@ function makeEventRow(ev) {
   const shown = blocks.length > 8 ? blocks.slice(0, 8).join(" ") + ` …+${blocks.length - 8}` : blocks.join(" ");
   row.append(
     badge,
-    el("span", "ev-t", Number.isFinite(ev.t) ? ev.t.toFixed(2) + "s" : ""),
+    // A replay's times count steps of its script; a live stream's, seconds since the watch began.
+    el("span", "ev-t", !Number.isFinite(ev.t) ? "" : state.mode === "replay" ? `step ${ev.t}` : ev.t.toFixed(2) + "s"),
     el("span", "ev-req", ev.request || ""),
     el("span", "ev-blocks", blocks.length ? `[${shown}]` : ""),
     el("span", "ev-text", ev.text || "")
