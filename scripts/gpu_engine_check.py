@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams
 
