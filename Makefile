@@ -1,5 +1,5 @@
 # `make run`, `make test` and `make test-quick` create (or reuse) .venv, install everything, then do their job;
-# the two test targets also install Chromium when it is missing.
+# `make test` also installs Chromium when it is missing (the quick run has no browser test).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -38,7 +38,7 @@ test: $(STAMP) $(CHROMIUM)
 
 # Every test but the slow ones, Ray's, tensor parallelism's and those that time the machine
 # (markers in pyproject.toml).
-test-quick: $(STAMP) $(CHROMIUM)
+test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not ray and not tp and not timing"
 
 clean:

@@ -316,7 +316,7 @@ def run_scenario(engine: LLMEngine, requests: int, context: int, steps: int = 50
     for i in range(requests):
         engine.abort_request(f"o{i}")
     if watched:
-        engine.core.kv_viewer.watch(0.0)
+        engine.core.watch_kv(0.0)
         engine.core.kv_view()  # the watch lapses: the pool records nothing again
     if kv.pool.num_free != kv.pool.num_blocks:
         raise RuntimeError(f"{kv.pool.num_used} blocks still used after every request ended")

@@ -723,7 +723,10 @@ class EngineCore:
         self.kv_viewer.watch(seconds)
 
     def kv_view(self) -> KVView | None:
-        """The live view due now, if the pool is watched and one is due."""
+        """The live view due now, if the pool is watched and one is due (called after every step:
+        unwatched, one attribute test)."""
+        if not self.kv.watched:
+            return None
         return self.kv_viewer.take(busy=self.has_unfinished_requests())
 
     def fast_paths(self) -> dict[str, str | None]:

@@ -5,7 +5,7 @@ The first view after a watch starts is `full`: the state of every block that is 
 table or in the prefix cache; every other block is free), so that its cost grows with what is held,
 not with the pool. Later views carry only the blocks the pool noted as changed (`kv/watch.py`); each
 also carries the block tables of the requests in flight and the events since the last.
-Unwatched, nothing is recorded: the pool and the manager carry `watch = None`.
+Unwatched, nothing is recorded: the pool holds `watch = None`.
 """
 
 from __future__ import annotations
@@ -60,21 +60,17 @@ class KVViewer:
         self._last_view = 0.0
         self._full_next = False
 
-    @property
-    def watching(self) -> bool:
-        return self.kv.watched
-
     def watch(self, seconds: float) -> None:
         """Watch (or keep watching) for `seconds` from now; a front renews it while it has viewers."""
         self.watching_until = time.monotonic() + max(0.0, seconds)
-        if not self.watching:
+        if not self.kv.watched:
             self.kv.pool.watch = KVWatchLog()
             self._full_next = True
 
     def take(self, busy: bool) -> KVView | None:
         """The view to send now, if one is due: the first of a watch, or INTERVAL after the last, or a
         change the front has not seen once the engine is idle (`busy` False)."""
-        if not self.watching:
+        if not self.kv.watched:
             return None
         now = time.monotonic()
         if now > self.watching_until:
@@ -100,9 +96,14 @@ class KVViewer:
         scheduler = self.scheduler
         in_flight = [(r, "running") for r in scheduler.running[:MAX_REQUESTS]]
         in_flight += [(r, "waiting") for r in list(scheduler.waiting)[:MAX_REQUESTS - len(in_flight)]]
-        requests = [(request_label(r.request_id), status, self.kv.num_tokens(r.request_id) if r.request_id in self.kv else 0,
-                     self.kv.block_ids(r.request_id) if r.request_id in self.kv else []) for r, status in in_flight]
+        requests = [(request_label(r.request_id), status, *self._table(r.request_id)) for r, status in in_flight]
         tier = self.kv.tier
         return KVView(now, full, self.kv.block_size, pool.num_blocks, changed, states, refs,
                       requests, len(scheduler.running) + len(scheduler.waiting), events,
-                      len(tier) if tier is not None and hasattr(tier, "__len__") else 0)
+                      len(tier) if tier is not None else 0)
+
+    def _table(self, request_id) -> tuple[int, list[int]]:
+        """(tokens, block table) of a request; (0, []) for one that holds no blocks (waiting)."""
+        if request_id not in self.kv:
+            return 0, []
+        return self.kv.num_tokens(request_id), self.kv.block_ids(request_id)

@@ -36,6 +36,7 @@ class _Run:
         self.watch = KVWatch()
         self.tokens: dict[str, list[int]] = {}
         self.frames: list[dict] = []
+        self.next_event = 0  # the seq of the first event the next frame shows
         self.generated = 0
         self.preemptions = 0
 
@@ -65,16 +66,15 @@ class _Run:
         self.preemptions += 1
 
     def record(self, caption: str) -> None:
-        view = self.viewer.take(busy=False) or self.viewer.take(busy=True)
+        view = self.viewer.take(busy=False)  # idle: due whenever something changed
         if view is not None:
             stats = CoreStats(len(self.queues.running), len(self.queues.waiting), self.kv.stats(), self.preemptions)
             self.watch.apply(view, stats, self.generated)
-        frame = copy.deepcopy(self.watch.frame()[0])  # edited below; the watch shares its parts between calls
+        frame, self.next_event = self.watch.frame(self.next_event)  # this step's events only
+        frame = copy.deepcopy(frame)  # edited below; the watch shares its parts between calls
         step = len(self.frames)
-        seen = {e["seq"] for f in self.frames for e in f["events"]}
         for event in frame["events"]:  # time in steps, not in the microseconds the script took
-            event["t"] = next((f["t"] for f in self.frames for e in f["events"] if e["seq"] == event["seq"]), step)
-        frame["events"] = [e for e in frame["events"] if e["seq"] not in seen]
+            event["t"] = step
         frame["t"] = step
         frame["series"]["t"] = list(range(step - len(frame["series"]["t"]) + 1, step + 1))
         frame["series"]["tokens_per_s"] = [0.0] * len(frame["series"]["t"])

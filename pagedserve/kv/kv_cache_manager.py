@@ -15,7 +15,8 @@ given: a cached block as the pool evicts it, when it was hit at least `offload_m
 ("evicted"; `offload_cached` applies the same rule to every cached block at shutdown), or every
 full block once its step has computed it ("write_through"); and a preempted request's blocks on
 request (`offload`, swap preemption). The tier is duck-typed: `hash in tier`,
-and `tier.read(hashes)`, which returns the payloads of the leading blocks it holds intact.
+`tier.read(hashes)`, which returns the payloads of the leading blocks it holds intact, and
+`len(tier)`, the blocks it holds (for the live view).
 
 A request's prefix-cache hashes live in a list its caller owns and passes to `admit` (the
 engine keeps one per `Request`): the manager extends it in place as blocks fill, so each full

@@ -1,8 +1,8 @@
 """What the KV manager changed, recorded only while someone watches (the live dashboard).
 
-Unwatched, the pool and the manager hold `watch = None` and pay one attribute test per call. Watched,
-they note every block whose state may have changed (so a view sends those alone, not the whole
-pool) and a bounded log of events: what happened to which request's blocks, in words.
+Unwatched, the pool holds `watch = None`, and the pool and the manager pay one attribute test per
+call. Watched, they note every block whose state may have changed (so a view sends those alone, not
+the whole pool) and a bounded log of events: what happened to which request's blocks, in words.
 """
 
 from __future__ import annotations

@@ -253,13 +253,17 @@ class APIKeyMiddleware:
         dashboard = path == "/dashboard" or path.startswith("/dashboard/")
         if path.startswith("/v1") or path in MODEL_ROUTES or dashboard:
             given = Headers(scope=scope).get("authorization", "").encode()
-            in_query = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[-1].encode()
             if not (secrets.compare_digest(given, self.expected)
-                    or dashboard and secrets.compare_digest(in_query, self.api_key)):
+                    or dashboard and secrets.compare_digest(self._query_key(scope), self.api_key)):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+    @staticmethod
+    def _query_key(scope: Scope) -> bytes:
+        return parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[-1].encode()
 
 
 async def cancel_on_disconnect(request: Request, handler: Awaitable[Response]) -> Response:
