@@ -180,6 +180,9 @@ class EngineConfig:
         "down, when hit at least --kv-offload-min-hits times) or write_through (every full block once computed: "
         "nothing is lost to a crash, at the cost of writing blocks that are never read)", KV_OFFLOAD_POLICIES)
     kv_offload_min_hits: int = _setting(0, "kv_offload_policy=evicted: the prefix-cache hits a block needs to be kept")
+    kv_offload_read_timeout: float = _setting(
+        5.0, "seconds a request waits for its blocks to be read from the KV tier before they are computed instead; "
+        "a file read stuck that long (a hung filesystem) stops the tier's reads until it returns")
     preemption_mode: str = _setting(
         "auto", "what a preempted request loses: recompute (its blocks are freed and computed again), swap (its full "
         "blocks are written to the KV tier and read back when it resumes; needs --kv-offload-dir) or auto (swap "
@@ -240,6 +243,8 @@ class EngineConfig:
                              f"got {self.kv_offload_policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; got {self.preemption_mode!r}")
+        if not self.kv_offload_read_timeout > 0:
+            raise ValueError(f"kv_offload_read_timeout must be > 0 seconds, got {self.kv_offload_read_timeout}")
         if self.kv_offload_min_hits < 0:
             raise ValueError(f"kv_offload_min_hits must be >= 0, got {self.kv_offload_min_hits}")
         if self.kv_offload_dir is None:

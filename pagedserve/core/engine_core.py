@@ -311,7 +311,8 @@ class EngineCore:
         resolved += self._resolve_grammars() if self._grammar_jobs else []
         plan = self.scheduler.schedule()
         if not plan.requests:
-            jobs = [job.future for job in self._grammar_jobs.values()] + list(self._adapter_jobs.values())
+            jobs = [job.future for job in self._grammar_jobs.values()] + list(self._adapter_jobs.values()) \
+                + self.scheduler.tier_reads()
             if jobs and not resolved:  # nothing else to do: wait a little rather than spin
                 wait_for_futures(jobs, GRAMMAR_POLL_SECONDS, FIRST_COMPLETED)
             return resolved
@@ -709,7 +710,8 @@ class EngineCore:
     # ---- figures -------------------------------------------------------------------------
 
     def core_stats(self) -> CoreStats:
-        num_waiting = len(self.scheduler.waiting) + len(self._grammar_jobs) + len(self._adapter_jobs)
+        num_waiting = len(self.scheduler.waiting) + len(self.scheduler.reading) + len(self._grammar_jobs) \
+            + len(self._adapter_jobs)
         spec = None
         if self.speculation is not None:
             c = self.speculation.counters

@@ -9,7 +9,11 @@ Each step, under a token budget (`max_num_batched_tokens`) and a cap on running 
 2. if nobody was preempted, waiting requests are admitted in arrival order while blocks,
    budget and seats last; each may get its cached prefix for free and its first chunk. With LoRA,
    the running requests use at most `max_loras` distinct adapters: a request whose adapter would
-   be one too many waits, and those behind it may go first;
+   be one too many waits, and those behind it may go first. With a KV tier, a request whose prefix
+   the tier holds only as files first waits out of the queue (`reading`) while they are read into
+   memory, for at most the tier's `read_timeout` (then what was not read is computed), and those
+   behind it go first: no step waits for a file, and a swapped request's read-back (it is readmitted
+   like any other) neither;
 3. each request's adapter gets one of the model's slots (`lora/slots.py`).
 
 A request is computed up to all its known tokens; it produces a new token once the step that
@@ -22,11 +26,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.kv import BlockCopy, KVCacheManager
-from pagedserve.kv.kv_cache_manager import BlockLoad, BlockStore
+from pagedserve.kv.kv_cache_manager import BlockLoad, BlockStore, TierRead
 from pagedserve.lora.request import LoRARequest
 from pagedserve.lora.slots import LoRASlots
 
@@ -110,18 +115,28 @@ class Scheduler:
         self.num_preemptions = 0
         self._freed: list[Hashable] = []  # for the next plan
         self._new_to_runner: set[Hashable] = set()  # forked requests: their next plan sends the whole table
+        # Requests out of the queue while the KV tier reads their blocks into memory, in the order
+        # they left it; and those back from it, admitted without another read.
+        self.reading: dict[Hashable, tuple[Request, TierRead]] = {}
+        self._read_done: set[Hashable] = set()
         self.lora_slots = LoRASlots(max_loras) if max_loras is not None else None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.reading)
+
+    def tier_reads(self) -> list[Future]:
+        """The reads the `reading` requests wait for (for an idle engine to wait on)."""
+        return [read.future for _, read in self.reading.values()]
 
     def schedule(self) -> SchedulerOutput:
         # A step that never confirmed its prefix blocks (it died before its forward pass wrote
         # them) must leave none findable: a safety net under the engine's own undo.
         self.kv.discard_unconfirmed()
+        if self.reading:
+            self._end_reads()
         out = SchedulerOutput(freed=self._freed)
         self._freed = []
         budget = self.max_num_batched_tokens
@@ -163,12 +178,19 @@ class Scheduler:
                 continue
             # A request still owed its prompt logprobs needs every prompt position's logits, which
             # cached blocks do not have: it skips the lookup (as vLLM does) and computes them all.
+            read_cache = request.prompt_logprobs is None
+            if read_cache and self.kv.tier is not None and request.request_id not in self._read_done:
+                read = self.kv.prefetch(request.all_token_ids, request.cache_key, request.block_hashes)
+                if read is not None:  # its blocks are on their way into memory: it waits aside
+                    self.reading[request.request_id] = (self.waiting.popleft(), read)
+                    continue
             num_cached = self.kv.admit(request.request_id, request.all_token_ids, num_new_tokens=budget,
                                        extra_keys=request.cache_key, block_hashes=request.block_hashes,
-                                       read_cache=request.prompt_logprobs is None)
+                                       read_cache=read_cache)
             if num_cached is None:
                 break  # not enough free blocks: keep arrival order, try again next step
             self.waiting.popleft()
+            self._read_done.discard(request.request_id)
             if request.num_cached_tokens is None:  # its first admission
                 request.num_cached_tokens = num_cached
                 request.scheduled_time = time.monotonic()
@@ -185,6 +207,16 @@ class Scheduler:
         if self.lora_slots is not None:
             out.lora_slots, out.lora_loads = self.lora_slots.assign([r.lora_request for r in out.requests])
         return out
+
+    def _end_reads(self) -> None:
+        """The requests whose tier reads are done, or past their deadline, go back to the front of
+        the queue, in the order they left it."""
+        now = time.monotonic()
+        back = [request for request, read in self.reading.values() if read.over(now)]
+        for request in back:
+            del self.reading[request.request_id]
+            self._read_done.add(request.request_id)
+        self.waiting.extendleft(reversed(back))
 
     def _running_adapters(self) -> set[int]:
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
@@ -232,8 +264,10 @@ class Scheduler:
         assert status.finished
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status is RequestStatus.WAITING and request in self.waiting:
-            self.waiting.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            if self.reading.pop(request.request_id, None) is None and request in self.waiting:
+                self.waiting.remove(request)
+        self._read_done.discard(request.request_id)
         request.status = status
         self._release(request)
 

@@ -9,13 +9,18 @@ Every allocating call is all-or-nothing: when the pool cannot cover it, nothing 
 the caller gets `None`, so the scheduler can preempt someone and try again.
 
 With a KV tier behind the pool (`tier`), the prefix cache reaches into it: a lookup that runs past
-the pool's cached blocks goes on in the tier, and the blocks found there are allocated and loaded
-(their payloads ride in the step's plan, `take_transfers`). Blocks reach the tier by the policy
+the pool's cached blocks goes on in the tier, and the blocks found there in memory are allocated
+and loaded (their payloads ride in the step's plan, `take_transfers`). Admission never waits for a
+file: `prefetch` asks the tier to bring the blocks an admission would load into memory first, and
+the caller holds the request back until that is done (or its deadline passes: what is not in
+memory then is computed). Blocks reach the tier by the policy
 given: a cached block as the pool evicts it, when it was hit at least `offload_min_hits` times
 ("evicted"; `offload_cached` applies the same rule to every cached block at shutdown), or every
 full block once its step has computed it ("write_through"); and a preempted request's blocks on
-request (`offload`, swap preemption). The tier is duck-typed: `hash in tier`,
-`tier.read(hashes)`, which returns the payloads of the leading blocks it holds intact, and
+request (`offload`, swap preemption). The tier is duck-typed: `hash in tier`;
+`tier.read(hashes)`, the payloads of the leading blocks it holds in memory, with no I/O;
+`tier.prefetch(hashes)`, a future that is done once the leading blocks it holds are in memory, or
+None when there is nothing to wait for; `tier.read_timeout`, how long a request waits for that; and
 `len(tier)`, the blocks it holds (for the live view).
 
 A request's prefix-cache hashes live in a list its caller owns and passes to `admit` (the
@@ -26,7 +31,9 @@ block is hashed once in the request's life, across failed admissions and preempt
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
@@ -50,6 +57,18 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: objec
     if extra_keys is not None:
         h.update(repr(extra_keys).encode())
     return h.digest()
+
+
+@dataclass(frozen=True)
+class TierRead:
+    """Blocks being read from the KV tier into memory for a request's admission (`prefetch`): the
+    request waits until `future` is done or `deadline` (time.monotonic()) has passed."""
+
+    future: Future
+    deadline: float
+
+    def over(self, now: float) -> bool:
+        return self.future.done() or now >= self.deadline
 
 
 @dataclass(frozen=True)
@@ -170,6 +189,20 @@ class KVCacheManager:
             found.append(item)
         return found
 
+    def prefetch(self, token_ids: Sequence[int], extra_keys: object = None,
+                 block_hashes: list[bytes] | None = None) -> TierRead | None:
+        """Start bringing into memory the tier's blocks that an admission of `token_ids` would load
+        now (those past the pool's cached prefix), for the caller to wait on outside its step; None
+        when there is nothing to wait for (no tier, no such block, all of them in memory already,
+        or the tier reads nothing now). Changes no figure and no block: only `block_hashes` grows."""
+        if self.tier is None:
+            return None
+        hashes = [] if block_hashes is None else block_hashes
+        hit = self.find_cached_prefix(token_ids, extra_keys, hashes)
+        in_tier = self._leading_blocks(token_ids, extra_keys, hashes, len(hit), lambda h: h if h in self.tier else None)
+        future = self.tier.prefetch(in_tier) if in_tier else None
+        return TierRead(future, time.monotonic() + self.tier.read_timeout) if future is not None else None
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (e.g. between benchmark runs). False while any request
         holds blocks: then nothing is forgotten."""
@@ -212,8 +245,9 @@ class KVCacheManager:
         if self._blocks_to_admit(len(token_ids), len(hit) + len(in_tier), num_new_tokens) - len(hit) \
                 + num_revived > self.pool.num_free:
             return None
-        # Read only once the blocks are sure; a block that fails its checks ends the prefix there
-        # (fewer cached blocks never need more new ones).
+        # Taken only once the blocks are sure. The tier serves what it holds in memory (read ahead by
+        # `prefetch`, or not written yet); the first block it holds only as a file, or that failed its
+        # checks, ends the prefix there (fewer cached blocks never need more new ones).
         payloads = self.tier.read(in_tier) if in_tier else []
         num_cached = (len(hit) + len(payloads)) * self.block_size
         num_blocks = self._blocks_to_admit(len(token_ids), len(hit) + len(payloads), num_new_tokens)

@@ -111,7 +111,7 @@ class ModelRunner:
                     "kv_dtype": str(config.kv_torch_dtype), "block_size": self.block_size,
                     "layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
         self.kv_tier = FileTier(config.kv_offload_dir, config.kv_offload_bytes, identity,
-                                transfer.block_bytes(self.kv_caches))
+                                transfer.block_bytes(self.kv_caches), read_timeout=config.kv_offload_read_timeout)
         return self.kv_tier
 
     def transfer_blocks(self, stores: list[tuple[int, bytes]], loads: list[tuple[int, torch.Tensor]]) -> None:

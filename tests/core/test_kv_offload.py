@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import random
+import threading
+import time
 
 import pytest
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
+from pagedserve.kv import hash_block
 from pagedserve.offload import file_tier
 from pagedserve.sampling_params import SamplingParams
 
@@ -55,6 +59,32 @@ def tier_of(llm: LLM) -> file_tier.FileTier:
     return llm.llm_engine.core.kv.tier
 
 
+def block_hashes(tokens: list[int]) -> list[bytes]:
+    """The chained hashes of the full blocks of `tokens`, as the prefix cache makes them."""
+    hashes: list[bytes] = []
+    for i in range(len(tokens) // BLOCK_SIZE):
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]))
+    return hashes
+
+
+@pytest.fixture
+def tier_io_threads(monkeypatch) -> list[threading.Thread]:
+    """The threads that open the tier's files (reads and writes), as they do."""
+    threads: list[threading.Thread] = []
+    for name in ("_read_checked", "_write"):
+        real = getattr(file_tier.FileTier, name)
+        monkeypatch.setattr(file_tier.FileTier, name, lambda self, *args, real=real: threads.append(
+            threading.current_thread()) or real(self, *args))
+    return threads
+
+
+def system_prompt_on_disk(embedded_model, embedded_tokenizer, directory) -> None:
+    """A first engine computes the system prompt and writes it to the tier as it shuts down."""
+    first = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(directory))
+    generate(first, [SYSTEM + USERS[0]])
+    first.shutdown()
+
+
 @pytest.fixture(scope="module")
 def expected(embedded_model, embedded_tokenizer):
     return two_turns(make_llm(embedded_model, embedded_tokenizer, enable_prefix_caching=False))
@@ -72,7 +102,7 @@ TIER_BLOCK_FILE = 30 * 2 * 3 * BLOCK_SIZE * 64 * 4 + file_tier.HEADER.size  # th
     ("evicted", 99, "swap", None, 20),  # only swap writes to the tier
 ])
 def test_outputs_with_the_tier_are_those_without_it(embedded_model, embedded_tokenizer, expected, tmp_path,
-                                                   policy, min_hits, preemption, chunk, tier_blocks):
+                                                   tier_io_threads, policy, min_hits, preemption, chunk, tier_blocks):
     overrides = dict(SMALL_POOL, kv_offload_dir=str(tmp_path), kv_offload_bytes=tier_blocks * TIER_BLOCK_FILE,
                      kv_offload_policy=policy, kv_offload_min_hits=min_hits, preemption_mode=preemption)
     if chunk:
@@ -86,6 +116,7 @@ def test_outputs_with_the_tier_are_those_without_it(embedded_model, embedded_tok
     assert m["kv_offload_hit_tokens"] == m["kv_offload_loaded_blocks"] * BLOCK_SIZE
     assert m["preemptions"] > 0
     assert tier.num_stored > len(tier) == tier.capacity_blocks  # full: it evicted blocks to take new ones
+    assert tier_io_threads and threading.main_thread() not in tier_io_threads  # no file I/O on the step loop
     assert_all_free(llm)
     llm.shutdown()
 
@@ -181,3 +212,78 @@ def test_a_retried_step_does_not_copy_its_evicted_blocks_again(embedded_model, e
     assert stores_per_try[first_try] == []  # the retry: the evicted blocks were copied by the first try only
     assert_all_free(llm)
     llm.shutdown()
+
+
+def test_a_fifo_in_place_of_a_block_file_is_computed_at_once(embedded_model, embedded_tokenizer, expected, tmp_path,
+                                                            caplog):
+    """A named pipe where a block's file was, once the engine has indexed it: reading it must not
+    wait for a writer (it would, for good): it is dropped as damaged and computed."""
+    system_prompt_on_disk(embedded_model, embedded_tokenizer, tmp_path)
+    llm = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(tmp_path))
+    fifo = tier_of(llm)._file(block_hashes(SYSTEM)[5])
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    outputs = []
+    with caplog.at_level(logging.WARNING, logger=file_tier.__name__):
+        worker = threading.Thread(target=lambda: outputs.append(generate(llm, [SYSTEM + USERS[1]])), daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        if worker.is_alive():  # blocked in open(): give it a writer, so that it ends
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            worker.join(timeout=30)
+            pytest.fail("reading the tier blocked on a FIFO")
+    ((output,),) = outputs
+    assert output.num_cached_tokens == 5 * BLOCK_SIZE and token_ids([output]) == expected[1:2]
+    assert "a FIFO" in caplog.text and "has not returned" not in caplog.text
+    assert_all_free(llm)
+    llm.shutdown()
+
+
+def test_a_stuck_tier_read_delays_no_step_and_its_request_is_computed_after_the_deadline(
+        embedded_model, embedded_tokenizer, expected, tmp_path, caplog, monkeypatch):
+    """A hung filesystem: every open of a block file waits (up to a minute). A request that runs
+    meanwhile takes its tokens step after step; the request whose prefix is in the tier waits out of
+    the schedule for kv_offload_read_timeout, then computes it; no other read starts while it is stuck."""
+    system_prompt_on_disk(embedded_model, embedded_tokenizer, tmp_path)
+    release = threading.Event()
+
+    def stalled(real_open):
+        def opener(path, *args, **kwargs):
+            if str(path).endswith(file_tier.SUFFIX):
+                release.wait(60)
+            return real_open(path, *args, **kwargs)
+        return opener
+
+    monkeypatch.setattr(os, "open", stalled(os.open))
+    monkeypatch.setattr(file_tier, "open", stalled(open), raising=False)
+    timeout = 1.0
+    llm = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(tmp_path), kv_offload_read_timeout=timeout)
+    engine = llm.llm_engine
+    neighbour = [t + 1 for t in SYSTEM] + USERS[3]  # shares nothing with the tier
+    engine.add_request("neighbour", neighbour, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.add_request("A", SYSTEM + USERS[1], PARAMS)
+    added, finished, longest_step, tokens_while_a_waits = time.monotonic(), {}, 0.0, 0
+    try:
+        with caplog.at_level(logging.WARNING, logger=file_tier.__name__):
+            while engine.has_unfinished_requests():
+                waiting = bool(engine.scheduler.reading)
+                start = time.monotonic()
+                outputs = engine.step()
+                longest_step = max(longest_step, time.monotonic() - start)
+                for out in outputs:
+                    tokens_while_a_waits += waiting and out.request_id == "neighbour"
+                    if out.finished:
+                        finished[out.request_id] = (out, time.monotonic())
+            # The reader is still stuck: the tier starts no other read (one thread), and says so once.
+            assert tier_of(llm).prefetch(block_hashes(SYSTEM)) is None and tier_of(llm).prefetch(block_hashes(SYSTEM)) is None
+    finally:
+        release.set()
+    assert longest_step < 20  # a step that waited for the file would take a minute
+    assert tokens_while_a_waits > 0
+    a, a_done = finished["A"]
+    assert a_done - added >= timeout and a.num_cached_tokens == 0 and token_ids([a]) == expected[1:2]
+    assert caplog.text.count("has not returned") == 1
+    assert_all_free(llm)
+    llm.shutdown()
+

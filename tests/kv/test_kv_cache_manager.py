@@ -1,3 +1,6 @@
+import time
+from concurrent.futures import Future
+
 import pytest
 
 from pagedserve.kv import KVCacheManager, hash_block, kv_cache_manager
@@ -234,11 +237,16 @@ def test_a_hash_list_is_the_chain_of_the_tokens_with_their_extra_keys():
 
 
 class DictTier:
-    """A KV tier as the manager sees one: `hash in tier` and `read`, a prefix of intact payloads."""
+    """A KV tier as the manager sees one: `hash in tier`; `read`, a prefix of intact payloads in
+    memory; `prefetch`, a future for the blocks held only as files (`on_disk`), or None."""
 
-    def __init__(self, entries=None, damaged=()):
+    read_timeout = 5.0
+
+    def __init__(self, entries=None, damaged=(), on_disk=()):
         self.entries = dict(entries or {})
         self.damaged = set(damaged)
+        self.on_disk = set(on_disk)
+        self.prefetched: list[list[bytes]] = []
 
     def __contains__(self, block_hash):
         return block_hash in self.entries
@@ -249,8 +257,16 @@ class DictTier:
             if block_hash not in self.entries or block_hash in self.damaged:
                 self.entries.pop(block_hash, None)
                 break
+            if block_hash in self.on_disk:
+                break
             out.append(self.entries[block_hash])
         return out
+
+    def prefetch(self, hashes):
+        if not self.on_disk.intersection(hashes):
+            return None
+        self.prefetched.append(list(hashes))
+        return Future()
 
 
 def chain(tokens, block_size=4):
@@ -368,3 +384,23 @@ def test_at_shutdown_the_cached_blocks_the_tier_lacks_go_to_it_by_the_evicted_ru
         m.free(name)
     m.offload_cached()
     assert [h for _, h in m.take_transfers()[0]] == chain(hot)  # the cold block was never hit
+
+
+def test_prefetch_asks_the_tier_for_the_blocks_an_admission_would_load_and_admission_takes_memory_only():
+    prompt = list(range(17))
+    hashes = chain(prompt)
+    tier = DictTier({h: f"p{i}" for i, h in enumerate(hashes) if i > 0}, on_disk=hashes[2:])
+    m = KVCacheManager(num_blocks=10, block_size=4, tier=tier)
+    m.admit("A", prompt[:5])  # block 0 computed: the pool holds it
+    m.confirm_cached()
+    m.free("A")
+    before = m.stats()
+    read = m.prefetch(prompt, block_hashes=[])
+    assert tier.prefetched == [hashes[1:4]] and not read.over(time.monotonic())  # past the pool's hit, before the last token
+    assert read.over(read.deadline) and m.stats() == before and m.take_transfers() == ([], [])
+    assert m.admit("B", prompt) == 8  # the file-only blocks are computed: admission never waits for one
+    assert [p for _, p in m.take_transfers()[1]] == ["p1"]
+    m.free("B")
+    tier.on_disk.clear()  # read into memory
+    assert m.prefetch(prompt) is None  # nothing to wait for
+    assert KVCacheManager(num_blocks=4, block_size=4).prefetch(prompt) is None  # no tier

@@ -3,7 +3,10 @@ test_kv_properties.py (its memory picture, rules and invariants), with a tier in
 
 The tier is a fake: a small LRU dict of block hash -> payload, where a payload is what the test's
 memory picture holds in the block's slots when the store is done. An entry can be corrupted: a
-read then stops before it and drops it, as FileTier does with a file that fails its checks.
+read then stops before it and drops it, as FileTier does with a file that fails its checks. An
+entry can be held only "on disk": `read` (memory only) stops before it, and `prefetch`, asked for a
+request before its admission, brings such entries back into memory when the reads finish (a rule
+of their own, so admissions run before, between and after them).
 
 Transfers are done as the engine does them. A plan's transfers (`take_transfers`) run before the
 step writes anything, stores first (copy the block's slots out), then loads (write the payload
@@ -20,7 +23,9 @@ table freed, what is still queued is done and checked, and nothing refers to a r
 """
 
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import replace
+from itertools import takewhile
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -49,35 +54,63 @@ GARBAGE = -1  # what a block a failed step wrote holds (tokens are 0..2)
 class FakeTier:
     """A bounded LRU map hash -> payload, with the part of FileTier's contract the manager uses."""
 
+    read_timeout = 1.0
+
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.entries: OrderedDict[bytes, tuple] = OrderedDict()
         self.corrupt: set[bytes] = set()  # held, but fail their checks when read
+        self.on_disk: set[bytes] = set()  # held, but not in memory: `read` stops before them
+        self.fetching: list[tuple[list[bytes], Future]] = []  # prefetches not finished yet
 
     def __contains__(self, block_hash):
         return block_hash in self.entries
 
     def read(self, block_hashes):
-        """The payloads of the leading blocks held intact; a corrupt one is dropped and ends the list."""
+        """The payloads of the leading blocks held in memory; a corrupt one is dropped and ends the list."""
         payloads = []
         for h in block_hashes:
-            if h not in self.entries:
+            if h not in self.entries or h in self.on_disk:
                 break
             if h in self.corrupt:
-                del self.entries[h]
-                self.corrupt.discard(h)
+                self._drop(h)
                 break
             self.entries.move_to_end(h)
             payloads.append(self.entries[h])
         return payloads
+
+    def prefetch(self, block_hashes):
+        wanted = list(takewhile(lambda h: h in self.entries, block_hashes))
+        if not self.on_disk.intersection(wanted):
+            return None
+        future = Future()
+        self.fetching.append((wanted, future))
+        return future
+
+    def finish_reads(self):
+        """The reader brings each prefetch's leading blocks into memory, up to a missing or damaged one."""
+        for wanted, future in self.fetching:
+            for h in wanted:
+                if h not in self.entries:
+                    break
+                if h in self.corrupt:
+                    self._drop(h)
+                    break
+                self.on_disk.discard(h)
+            future.set_result(None)
+        self.fetching.clear()
 
     def put(self, block_hash, payload):
         if block_hash in self.entries:
             return
         self.entries[block_hash] = payload
         while len(self.entries) > self.capacity:
-            old, _ = self.entries.popitem(last=False)
-            self.corrupt.discard(old)
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, block_hash):
+        del self.entries[block_hash]
+        self.corrupt.discard(block_hash)
+        self.on_disk.discard(block_hash)
 
 
 class Memory(dict):
@@ -190,6 +223,32 @@ class KVTierMachine(KVCacheMachine):
         self.tokens[req], self.hashes[req], self.extra_keys[req] = opening + rest, [], keys
         self._admit(req, chunk, read_cache)
         return req
+
+    @rule(target=KVCacheMachine.requests, opening=long_openings, rest=short_tails, chunk=st.none() | st.integers(1, 8),
+          finish=st.booleans())
+    def admit_after_prefetch(self, opening, rest, chunk, finish):
+        """A new request waits for its prefetch first, as the scheduler makes it (its reads done, or
+        not: past the deadline it is admitted all the same)."""
+        req = self.next_id
+        self.next_id += 1
+        self.tokens[req], self.hashes[req], self.extra_keys[req] = opening + rest, [], None
+        before = self.m.stats()
+        self.m.prefetch(self.tokens[req], None, self.hashes[req])
+        assert self.m.stats() == before  # a prefetch changes no block and no figure
+        if finish:
+            self.tier.finish_reads()
+        self._admit(req, chunk)
+        return req
+
+    @rule(i=st.integers(0, 7))
+    def write_out(self, i):
+        """The tier's i-th entry is written to its file and leaves memory (if it holds that many)."""
+        if i < len(self.tier.entries):
+            self.tier.on_disk.add(list(self.tier.entries)[i])
+
+    @rule()
+    def finish_reads(self):
+        self.tier.finish_reads()
 
     @rule(target=KVCacheMachine.requests, req=KVCacheMachine.requests, chunk=st.none() | st.integers(1, 8),
           read_cache=st.sampled_from([True, True, True, False]))
