@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 # Blocks copied to the KV tier at a time at shutdown: well under the tier's pending-memory bound.
 SHUTDOWN_STORE_BATCH = 64
+# How long writing the pool's cached blocks to the KV tier may take at shutdown or exit; what is
+# not written by then is lost (a hung filesystem must not hang the exit).
+SAVE_SECONDS = 10.0
 # How long an idle step waits for a grammar to compile before it returns (to read commands).
 GRAMMAR_POLL_SECONDS = 0.02
 
@@ -747,17 +750,44 @@ class EngineCore:
             raise ExecutorFailed(self._device_failure)
         self.executor.check_health()
 
+    def save_kv_tier(self, timeout: float = SAVE_SECONDS) -> tuple[int, int]:
+        """Write the pool's cached blocks that the KV tier lacks to it (by the policy's rule,
+        `KVCacheManager.offload_cached`), for at most `timeout` seconds: a restart finds them.
+        Returns (blocks written, blocks left unwritten when the time ran out); logged. Between steps
+        only. The blocks of a step that never completed (interrupted, say) are forgotten first:
+        their K/V may never have been computed."""
+        if self.kv.tier is None or not self.kv.tier.writable or self._device_failure is not None:
+            return 0, 0
+        self.kv.discard_unconfirmed()
+        self.kv.offload_cached()
+        stores, _ = self.kv.take_transfers()
+        if not stores:
+            return 0, 0
+        deadline = time.monotonic() + timeout
+        tier, handed = self.kv.tier, 0
+        try:
+            for i in range(0, len(stores), SHUTDOWN_STORE_BATCH):  # each batch written before the next
+                if time.monotonic() >= deadline:
+                    break
+                batch = stores[i : i + SHUTDOWN_STORE_BATCH]
+                self.executor.transfer_blocks(batch, [])
+                handed += len(batch)
+                if not tier.flush(max(0.0, deadline - time.monotonic())):
+                    break
+        except Exception:
+            logger.exception("writing the pool's cached blocks to the KV tier failed; a restart computes them")
+        left = len(stores) - handed + min(handed, tier.num_pending)
+        written = len(stores) - left
+        if left:
+            logger.warning("KV tier: %d of the pool's %d cached blocks written to %s; %d not, the %.0f s for it "
+                           "ran out", written, len(stores), tier.path, left, timeout)
+        else:
+            logger.info("KV tier: the pool's %d cached blocks written to %s", written, tier.path)
+        return written, left
+
     def shutdown(self) -> None:
         """Stop the executor's workers; the core runs no more steps. With a KV tier, the pool's cached
-        blocks it lacks are written to it first: a restart finds them."""
+        blocks it lacks are written to it first (`save_kv_tier`): a restart finds them."""
         self.structured_output.shutdown()
-        if self.kv.tier is not None and self._device_failure is None:
-            self.kv.offload_cached()
-            stores, _ = self.kv.take_transfers()
-            try:
-                for i in range(0, len(stores), SHUTDOWN_STORE_BATCH):  # each batch written before the next
-                    self.executor.transfer_blocks(stores[i : i + SHUTDOWN_STORE_BATCH], [])
-                    self.kv.tier.flush()
-            except Exception:
-                logger.exception("writing the pool's cached blocks to the KV tier failed; a restart computes them")
+        self.save_kv_tier()
         self.executor.shutdown()

@@ -9,6 +9,7 @@ from typing import Any, Union
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
+from pagedserve.entrypoints import tier_at_exit
 from pagedserve.entrypoints.beam_search import beam_search
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.lora.request import LoRARequest
@@ -32,6 +33,9 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(fields - {'model'})}")
         config = EngineConfig(model=model, **engine_args)
         self.llm_engine = _engine or LLMEngine(config)
+        # Its own engine's pool goes to the KV tier at the end, however the script ends (tier_at_exit.py).
+        core = self.llm_engine.core
+        self._saver = tier_at_exit.save_at_end(self, core) if _engine is None and core.kv.tier is not None else None
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -154,7 +158,11 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine: with tensor_parallel_size > 1 its worker processes exit and their ports
-        close (also done when the LLM is garbage-collected, or at exit)."""
+        close (also done when the LLM is garbage-collected, or at exit). With a KV tier, the pool's
+        cached blocks are written to it first (also done when the LLM is garbage-collected, at exit,
+        and on SIGINT or SIGTERM: `tier_at_exit.py`)."""
+        if self._saver is not None:
+            tier_at_exit.cancel(self._saver)
         self.llm_engine.shutdown()
 
     def __enter__(self) -> LLM:

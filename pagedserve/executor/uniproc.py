@@ -6,6 +6,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.offload.file_tier import CLOSE_SECONDS
 from pagedserve.worker.draft_runner import make_draft_runner
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -64,5 +65,5 @@ class UniProcExecutor:
     def shutdown(self) -> None:
         if self.runner.lora is not None:
             self.runner.lora.shutdown()
-        if self.runner.kv_tier is not None:
-            self.runner.kv_tier.close()  # pending blocks are written: a restart finds them
+        if self.runner.kv_tier is not None:  # pending blocks are written (a restart finds them), if the disk lets them
+            self.runner.kv_tier.close(timeout=CLOSE_SECONDS)

@@ -287,3 +287,31 @@ def test_a_stuck_tier_read_delays_no_step_and_its_request_is_computed_after_the_
     assert_all_free(llm)
     llm.shutdown()
 
+
+def test_an_interrupted_steps_blocks_are_never_written_to_the_tier(embedded_model, embedded_tokenizer, tmp_path,
+                                                                 monkeypatch):
+    """Ctrl-C in a step's forward pass, or while it is planned: the blocks it admitted were never
+    computed, so writing the pool to the tier (as the exit does) must leave them out."""
+    llm = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(tmp_path))
+    core = llm.llm_engine.core
+    generate(llm, [SYSTEM + USERS[0]])
+    in_forward, in_plan = [t + 1 for t in SYSTEM], [t + 2 for t in SYSTEM]
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(core.executor.runner, "run", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        generate(llm, [in_forward])
+    monkeypatch.undo()
+    monkeypatch.setattr(core.kv, "take_transfers", interrupt)  # after the admissions, before the plan is done
+    with pytest.raises(KeyboardInterrupt):
+        generate(llm, [in_plan])
+    monkeypatch.undo()
+    written, left = core.save_kv_tier()
+    tier = tier_of(llm)
+    assert written > 0 and left == 0
+    assert all(h in tier for h in block_hashes(SYSTEM + USERS[0]))
+    assert not any(h in tier for h in block_hashes(in_forward) + block_hashes(in_plan))
+    assert_all_free(llm)
+    llm.shutdown()
