@@ -260,7 +260,7 @@ def test_a_stuck_tier_read_delays_no_step_and_its_request_is_computed_after_the_
     llm = make_llm(embedded_model, embedded_tokenizer, kv_offload_dir=str(tmp_path), kv_offload_read_timeout=timeout)
     engine = llm.llm_engine
     neighbour = [t + 1 for t in SYSTEM] + USERS[3]  # shares nothing with the tier
-    engine.add_request("neighbour", neighbour, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    engine.add_request("neighbour", neighbour, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     engine.step()
     engine.add_request("A", SYSTEM + USERS[1], PARAMS)
     added, finished, longest_step, tokens_while_a_waits = time.monotonic(), {}, 0.0, 0
