@@ -241,7 +241,8 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
 class APIKeyMiddleware:
     """Every /v1 route needs `Authorization: Bearer <key>`: checked before the body is even read. So
     does the dashboard, which also takes the key as `?api_key=` (a browser's page and EventSource
-    cannot send the header)."""
+    cannot send the header); a dashboard address with more than one `api_key` is a 400, so that no
+    parser's choice among them decides."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -252,18 +253,26 @@ class APIKeyMiddleware:
         path = scope["path"] if scope["type"] == "http" else ""
         dashboard = path == "/dashboard" or path.startswith("/dashboard/")
         if path.startswith("/v1") or path in MODEL_ROUTES or dashboard:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not (secrets.compare_digest(given, self.expected)
-                    or dashboard and secrets.compare_digest(self._query_key(scope), self.api_key)):
-                error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+            error = None
+            query_keys = self._query_keys(scope) if dashboard else []
+            if len(query_keys) > 1:
+                error = bad_request(f"the query has {len(query_keys)} api_key parameters; give exactly one",
+                                    "api_key")
+            else:
+                given = Headers(scope=scope).get("authorization", "").encode()
+                if not (secrets.compare_digest(given, self.expected)
+                        or query_keys and secrets.compare_digest(query_keys[0].encode(), self.api_key)):
+                    error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+            if error is not None:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-
     @staticmethod
-    def _query_key(scope: Scope) -> bytes:
-        return parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[-1].encode()
+    def _query_keys(scope: Scope) -> list[str]:
+        """Every `api_key` in the query string, empty ones included."""
+        query = scope.get("query_string", b"").decode("latin-1")
+        return parse_qs(query, keep_blank_values=True).get("api_key", [])
 
 
 async def cancel_on_disconnect(request: Request, handler: Awaitable[Response]) -> Response:
