@@ -54,13 +54,14 @@ class AsyncLLM:
         """engine_core: "process" (the core in a process of its own, restarted if it dies) or
         "thread" (on a thread of this one); `client` overrides both. max_restarts, restart_backoff
         and start_timeout: the core process's."""
-        from pagedserve.models.loader import load_tokenizer
+        from pagedserve.models.loader import check_draft_model, load_tokenizer
 
         if stall_timeout <= 0:
             raise ValueError("stall_timeout must be > 0")
         if engine_core not in ENGINE_CORES:
             raise ValueError(f"engine_core must be 'process' or 'thread', got {engine_core!r}")
         self.config = config = config or EngineConfig()
+        check_draft_model(config)  # a ValueError here, not the core's failure to start
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         if client is None and engine_core == "process":
             client = ProcessCoreClient(config, tokenizer_eos_ids(self.tokenizer), start_timeout=start_timeout,
