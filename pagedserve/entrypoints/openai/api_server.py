@@ -21,8 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__, heap
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_llm import DEFAULT_STALL_TIMEOUT, AsyncLLM
-from pagedserve.engine.core_client import DEFAULT_MAX_RESTARTS
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.core_client import DEFAULT_MAX_RESTARTS, DEFAULT_STALL_TIMEOUT
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai import http_server
 from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, default_max_body_bytes, prompt_bound
@@ -60,7 +60,7 @@ ERROR_STATUSES = {
     408: "The request body did not arrive in time",
     413: "The request body is over the server's limit",
     500: "The engine failed while serving the request",
-    503: "The server is shutting down (draining), or its engine is not running: restarting after its core died, "
+    503: "The server is shutting down (draining), or its engine is not running: restarting after its core died "
          "or stalled",
 }
 
@@ -302,8 +302,9 @@ def make_async_engine(config: EngineConfig, engine_core: str = "process", *,
                       max_restarts: int = DEFAULT_MAX_RESTARTS, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
                       ) -> AsyncLLM:
     """The server's engine, not yet started: the core in a process of its own ("process") or on a
-    thread of this one ("thread"). max_restarts: the core process's restarts after it dies;
-    stall_timeout: how long the core may make no progress before /health fails."""
+    thread of this one ("thread"). max_restarts: the core process's restarts after it dies or stalls;
+    stall_timeout: how long the core may make no progress before it counts as lost (a core process
+    is killed and restarted, a core on a thread is dead)."""
     return AsyncLLM(config, engine_core=engine_core, max_restarts=max_restarts, stall_timeout=stall_timeout)
 
 
@@ -326,8 +327,9 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     served under their names, checked before the model loads (ValueError saying which and why);
     allow_runtime_lora_updating: the routes that load and unload adapters while serving; dashboard: the
     live KV view at /dashboard. If the
-    core process dies and cannot be restarted, the server stops and this raises SystemExit with an
-    error (exit code 1), so that a supervisor restarts the service."""
+    core process dies or stalls and cannot be restarted (a core on a thread that stalls never can),
+    the server stops and this raises SystemExit with an error (exit code 1), so that a supervisor
+    restarts the service."""
     engine = make_async_engine(config, engine_core, max_restarts=engine_max_restarts,
                                stall_timeout=engine_stall_timeout)
     name = served_model_name or config.model or EMBEDDED_MODEL_NAME
