@@ -3,7 +3,9 @@
 The front's `core_client.ProcessCoreClient` binds a PUSH socket for commands and a PULL socket for
 outputs; this process connects to both. It applies every command that arrived since its last
 step, runs one step, and sends the step's sample outputs with the core's figures, as msgpack
-frames (`core_messages`). With nothing to do it blocks on the command socket.
+frames (`core_messages`). With nothing to do it blocks on the command socket. Every pass that had
+a command or a step sends an outputs message, which is how it answers the front's liveness probe
+(`Ping`): a pass that never ends (a step stuck for good) leaves the probe unanswered.
 
 It never outlives the API process: a thread waits on a pipe whose other end only the API process
 holds, and exits this process when the pipe closes (the API process ended, even by SIGKILL).
@@ -106,7 +108,7 @@ def ready_message(core) -> CoreReady:
 
 def apply_command(core, command: CoreCommand) -> list[SampleOutput]:
     """Apply a request, abort, stop, adapter removal or watch to the core: the error output of a request it
-    failed to add."""
+    failed to add. A Ping needs nothing: the pass's outputs message answers it."""
     if isinstance(command, EngineCoreRequest):
         try:
             core.add_request(command)

@@ -49,11 +49,17 @@ class WatchKV(msgspec.Struct, array_like=True, tag="watch_kv"):
     seconds: float
 
 
+class Ping(msgspec.Struct, array_like=True, tag="ping"):
+    """The front's liveness probe, sent when the core has said nothing for a while. The core answers
+    from its step loop, with the outputs message it sends after every pass (empty unless a step
+    ran); a core that does not answer within the front's stall timeout is stalled."""
+
+
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
     pass
 
 
-CoreCommand = EngineCoreRequest | AbortRequests | StopSamples | RemoveLoRA | WatchKV | Shutdown
+CoreCommand = EngineCoreRequest | AbortRequests | StopSamples | RemoveLoRA | WatchKV | Ping | Shutdown
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

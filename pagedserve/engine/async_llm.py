@@ -8,11 +8,11 @@ core. The same front serves both clients, so validation, streams, aborts and fig
 whichever runs the core.
 
 Outputs arrive on the client's thread: the front's lock guards the output processor and the tracker
-against the event loop adding and aborting requests meanwhile. A core that has requests in flight
-but reports nothing for `stall_timeout` seconds (stopped, wedged) is `stalled`: /health answers 503
-until it reports again. If the core is lost, every request in flight fails with EngineUnavailable
-(a 503); if it cannot be restarted the `on_dead` hooks run (the server exits non-zero, for its
-supervisor to restart it).
+against the event loop adding and aborting requests meanwhile. If the core is lost (it died, or made
+no progress for `stall_timeout` seconds: the client watches for that, `core_client.py`), every
+request in flight fails with EngineUnavailable (a 503) and /health answers 503 until a new core
+serves; if none can (a core on a thread is never restarted) the `on_dead` hooks run (the server
+exits non-zero, for its supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from collections.abc import AsyncIterator, Callable
 from pagedserve.config import EngineConfig
 from pagedserve.core.messages import CoreReady, CoreStats, EngineCoreOutputs, EngineCoreRequest, SpecDecodeStats
 from pagedserve.dashboard.live import KVWatch
-from pagedserve.engine.core_client import (DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF, DEFAULT_START_TIMEOUT,
-                                           EngineCoreClient, ProcessCoreClient, ThreadedCoreClient)
+from pagedserve.engine.core_client import (DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF, DEFAULT_STALL_TIMEOUT,
+                                           DEFAULT_START_TIMEOUT, EngineCoreClient, ProcessCoreClient,
+                                           ThreadedCoreClient)
 from pagedserve.engine.input_processor import check_adapter, process_inputs
 from pagedserve.engine.llm_engine import LLMEngine, tokenizer_eos_ids
 from pagedserve.engine.output_processor import OutputProcessor
@@ -40,9 +41,6 @@ from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# A core with requests in flight that reports nothing for this long counts as stalled. A step
-# reports when it ends, so this must exceed the longest step (a full prefill budget on CPU).
-DEFAULT_STALL_TIMEOUT = 60.0
 ENGINE_CORES = ("process", "thread")
 
 
@@ -51,31 +49,33 @@ class AsyncLLM:
                  client: EngineCoreClient | None = None, start_timeout: float = DEFAULT_START_TIMEOUT,
                  max_restarts: int = DEFAULT_MAX_RESTARTS, restart_backoff: float = DEFAULT_RESTART_BACKOFF,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
-        """engine_core: "process" (the core in a process of its own, restarted if it dies) or
-        "thread" (on a thread of this one); `client` overrides both. max_restarts, restart_backoff
-        and start_timeout: the core process's."""
-        from pagedserve.models.loader import load_tokenizer
+        """engine_core: "process" (the core in a process of its own, restarted if it dies or stalls)
+        or "thread" (on a thread of this one); `client` overrides both. max_restarts, restart_backoff
+        and start_timeout: the core process's; stall_timeout: how long either client's core may make
+        no progress before it counts as lost (a given client has its own)."""
+        from pagedserve.models.loader import check_draft_model, load_tokenizer
 
         if stall_timeout <= 0:
             raise ValueError("stall_timeout must be > 0")
         if engine_core not in ENGINE_CORES:
             raise ValueError(f"engine_core must be 'process' or 'thread', got {engine_core!r}")
         self.config = config = config or EngineConfig()
+        check_draft_model(config)  # a ValueError here, not the core's failure to start
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         if client is None and engine_core == "process":
             client = ProcessCoreClient(config, tokenizer_eos_ids(self.tokenizer), start_timeout=start_timeout,
-                                       max_restarts=max_restarts, restart_backoff=restart_backoff)
+                                       max_restarts=max_restarts, restart_backoff=restart_backoff,
+                                       stall_timeout=stall_timeout)
         elif client is None:
-            client = ThreadedCoreClient(config, tokenizer_eos_ids(self.tokenizer), tokenizer=self.tokenizer)
+            client = ThreadedCoreClient(config, tokenizer_eos_ids(self.tokenizer), tokenizer=self.tokenizer,
+                                        stall_timeout=stall_timeout)
         self.client = client
-        self.stall_timeout = stall_timeout
         self.output_processor = OutputProcessor(self.tokenizer)
         self._tracker = RequestTracker()
         self._lock = threading.Lock()  # the output processor, the tracker and the figures
         self._started = False
         self._stopping = False
         self._on_dead: tuple[Callable[[str], None], ...] = ()
-        self._progress_at = time.monotonic()  # when the core last reported (or work began after idling)
         # The counters of cores that were lost: a new core counts from zero, the figures go on from these.
         self._past_counters = _CoreCounters()
         self.stats: EngineStatsSnapshot | None = None
@@ -86,7 +86,8 @@ class AsyncLLM:
     def from_llm_engine(cls, engine: LLMEngine, **kwargs) -> AsyncLLM:
         """A front over `engine`'s core, stepped on a thread (the engine keeps its model and pool,
         and may be stepped again after this front shuts down)."""
-        client = ThreadedCoreClient(engine.config, tokenizer_eos_ids(engine.tokenizer), core=engine.core)
+        client = ThreadedCoreClient(engine.config, tokenizer_eos_ids(engine.tokenizer), core=engine.core,
+                                    stall_timeout=kwargs.pop("stall_timeout", DEFAULT_STALL_TIMEOUT))
         return cls(engine.config, tokenizer=engine.tokenizer, client=client, **kwargs)
 
     # ---- facts the core reported at start: safe to read from any thread ------------------
@@ -140,11 +141,6 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._started and not self._stopping and self.client.health_problem() is None
 
-    @property
-    def stalled(self) -> bool:
-        """Requests are in flight but the core has reported nothing for stall_timeout seconds."""
-        return bool(self._tracker.entries) and time.monotonic() - self._progress_at > self.stall_timeout
-
     def check_lora(self, adapter: LoRARequest) -> None:
         """ValueError unless the engine can serve `adapter` (its config and tensor shapes against
         the model's): a server checks an adapter once, when it is registered."""
@@ -167,12 +163,7 @@ class AsyncLLM:
         """Why the engine cannot serve now (for /health), or None when it can."""
         if self._stopping:
             return "the engine is shut down"
-        problem = self.client.health_problem() if self._started else "the engine is not running"
-        if problem is not None:
-            return problem
-        if self.stalled:
-            return f"the engine core has made no progress for over {self.stall_timeout:g} s"
-        return None
+        return self.client.health_problem() if self._started else "the engine is not running"
 
     def add_finish_hook(self, hook: Callable[[RequestOutput], None]) -> None:
         """Call `hook(output)` on the client's thread with the last output of each request that
@@ -204,8 +195,6 @@ class AsyncLLM:
                 raise EngineUnavailable("the engine is shut down")
             if request_id in self.output_processor:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            if not self._tracker.entries:  # the stall clock starts with the work, not at the last report
-                self._progress_at = time.monotonic()
             self.output_processor.add_request(request_id, prompt_text, list(prompt), params, arrival)
             self._tracker.add(request_id, stream, params.n)
             try:
@@ -232,7 +221,6 @@ class AsyncLLM:
 
     def on_outputs(self, message: EngineCoreOutputs) -> None:
         with self._lock:
-            self._progress_at = time.monotonic()
             processed = self.output_processor.process(message.outputs)
             if processed.stopped:
                 self.client.stop_samples(processed.stopped)
@@ -256,7 +244,6 @@ class AsyncLLM:
 
     def on_core_ready(self, ready: CoreReady) -> None:
         with self._lock:
-            self._progress_at = time.monotonic()
             self.stats = self._snapshot(ready.stats)
 
     def on_dead(self, reason: str) -> None:

@@ -31,9 +31,10 @@ def tokenizer_eos_ids(tokenizer) -> list[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None) -> None:
         """`model` = (module, ModelConfig) and `tokenizer` may be passed in to share loaded weights."""
-        from pagedserve.models.loader import load_tokenizer
+        from pagedserve.models.loader import check_draft_model, load_tokenizer
 
         self.config = config = config or EngineConfig()
+        check_draft_model(config)  # a ValueError now, not once the model's weights have loaded
         if config.device == "cpu":
             native.build_ahead()  # a cold start compiles the C kernels while the tokenizer loads
         self.tokenizer = tokenizer or load_tokenizer(config.model)

@@ -602,12 +602,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "prompts x n x (max_tokens, + the prompt with echo) x (1 + logprobs); more is a 400 (default: "
                        "4194304)")
     serve.add_argument("--engine-max-restarts", type=int, default=3,
-                       help="if the engine core process dies: how many times to start a new one (waiting 1, 2, 4 s ... "
-                       "before each), requests in flight failing with 503; if none starts the server exits 1 "
-                       "(default: 3; 0: exit at once)")
+                       help="if the engine core process dies or stalls: how many times to start a new one (waiting "
+                       "1, 2, 4 s ... before each), requests in flight failing with 503; if none starts the server "
+                       "exits 1 (default: 3; 0: exit at once)")
     serve.add_argument("--engine-stall-timeout", type=positive(float), default=60.0,
-                       help="seconds the engine core may have requests in flight without finishing a step before "
-                       "/health answers 503 (default: 60)")
+                       help="seconds the engine core may take to answer a liveness probe (it is asked when silent; "
+                       "it answers between steps) before it counts as stalled, with or without requests in "
+                       "flight: a core process is killed and restarted as a dead one is (--engine-max-restarts), "
+                       "a core on a thread ends the server with exit code 1. Must exceed the longest step "
+                       "(default: 60)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's flag: tool_choice \"auto\" (the default with tools), the model's calls read by "
                        "--tool-call-parser (\"required\" and a named function work without it)")

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedserve.config import QUANTIZATIONS
+from pagedserve.config import QUANTIZATIONS, EngineConfig
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models import gguf_cache
 from pagedserve.models.config import ModelConfig, check_architecture
@@ -157,6 +157,22 @@ def _checked_gguf_reader() -> type:
             super()._build_tensors(start_offs, fields)
 
     return CheckedReader
+
+
+def check_draft_model(config: EngineConfig) -> None:
+    """When speculative_config names a draft model: check, before any weights load, that the loader
+    can read its checkpoint's config (a directory's config.json, a .gguf's header). ValueError
+    naming the path if not, so that a wrong path fails at construction and not in the engine core."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return
+    if not Path(spec.model).expanduser().exists():
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} does not exist; pass a Hugging Face "
+                         "model directory (config.json + *.safetensors) or a .gguf file")
+    try:
+        load_config(spec.model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} cannot be read: {e}") from None
 
 
 def load_config(model: str | None = None) -> ModelConfig:

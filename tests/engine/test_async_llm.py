@@ -230,32 +230,29 @@ def test_a_core_that_cannot_restart_leaves_the_engine_dead_and_says_so(tiny, emb
     assert not engine.client._process.is_alive()
 
 
-def test_a_stopped_core_is_stalled_until_it_runs_again(tiny, embedded_tokenizer):
-    engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120, stall_timeout=0.5)
+def test_a_stopped_idle_core_is_found_by_the_probe_killed_and_replaced(tiny, embedded_tokenizer):
+    """No request in flight, so no output is awaited: the probe still finds a core that cannot
+    answer. SIGSTOP also holds off SIGTERM, so this takes the SIGKILL."""
+    engine = AsyncLLM(config(tiny), tokenizer=embedded_tokenizer, start_timeout=120, stall_timeout=0.5,
+                      restart_backoff=0.05)
     engine.start()
     try:
-        async def main():
-            async def long():
-                async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=60, ignore_eos=True), "r"):
-                    pass
-            task = asyncio.create_task(long())
-            while engine.stats.num_running < 1:
-                await asyncio.sleep(0.01)
-            assert not engine.stalled
-            os.kill(engine.core_pid, signal.SIGSTOP)
-            try:
-                deadline = time.monotonic() + 30
-                while not engine.stalled:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.05)
-                assert "no progress" in engine.health_problem()
-            finally:
-                os.kill(engine.core_pid, signal.SIGCONT)
-            await task  # it finishes: the core only paused
-            assert not engine.stalled and engine.health_problem() is None
-
-        asyncio.run(main())
-        assert not engine.stalled  # idle: nothing in flight, however long ago the last report
+        old_pid = engine.core_pid
+        time.sleep(1.5)  # idle and probed meanwhile: a core that answers is not stalled
+        assert engine.health_problem() is None and engine.num_restarts == 0
+        os.kill(old_pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while (problem := engine.health_problem()) is None:
+            assert time.monotonic() < deadline, "a stopped core read as healthy"
+            time.sleep(0.02)
+        assert "stalled" in problem and "restarting" in problem
+        deadline = time.monotonic() + 120
+        while engine.health_problem() is not None:
+            assert time.monotonic() < deadline, "no new core"
+            time.sleep(0.05)
+        assert engine.num_restarts == 1 and engine.core_pid != old_pid and not process_alive(old_pid)
+        got = run_async(engine, [(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))])[0]
+        assert len(got.outputs[0].token_ids) == 3
     finally:
         engine.shutdown()
 

@@ -1,6 +1,6 @@
 """The core clients' contract, on a scripted core: commands reach the core in order, each step's
-outputs reach the front, a core that can run no more steps is reported lost and dead, and a client
-that serves no core refuses requests. (The real core behind each client: test_async_llm*.py.)"""
+outputs reach the front, a core that can run no more steps (or is stuck in one) is reported lost
+and dead, and a client that serves no core refuses requests. (The real core behind each client: test_async_llm*.py.)"""
 
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ from pagedserve.sampling_params import SamplingParams
 
 class ScriptedCore:
     """An engine core's interface: each request runs `steps` steps, one token each; `fail_at` makes
-    the n-th step raise ExecutorFailed."""
+    the n-th step raise ExecutorFailed, `block_at` makes it wait until `unblock` is set."""
 
-    def __init__(self, steps: int = 3, fail_at: int | None = None) -> None:
+    def __init__(self, steps: int = 3, fail_at: int | None = None, block_at: int | None = None) -> None:
         self.log: list[tuple] = []
         self.left: dict[str, int] = {}
-        self.steps, self.fail_at, self.num_steps = steps, fail_at, 0
+        self.steps, self.fail_at, self.block_at, self.num_steps = steps, fail_at, block_at, 0
+        self.unblock = threading.Event()
         self.max_model_len, self.vocab_size, self.num_blocks = 64, 100, 8
         self.scheduler = SimpleNamespace(max_num_seqs=4)
 
@@ -49,6 +50,8 @@ class ScriptedCore:
         self.num_steps += 1
         if self.num_steps == self.fail_at:
             raise ExecutorFailed("a worker died")
+        if self.num_steps == self.block_at:
+            self.unblock.wait()
         outputs = []
         for request_id in list(self.left):
             self.left[request_id] -= 1
@@ -147,6 +150,32 @@ def test_a_core_that_can_run_no_more_steps_is_lost_then_dead_and_refuses_request
     with pytest.raises(EngineUnavailable, match="a worker died"):
         client.add_request(request("b"))
     client.shutdown()
+
+
+def test_a_core_stuck_in_a_step_on_a_thread_is_dead_and_the_client_still_shuts_down():
+    """A thread cannot be killed: once a step has run for over the stall timeout the core is lost
+    and dead (with or without requests in flight: here the request was aborted while it was stuck),
+    and shutdown() returns without waiting for the stuck thread."""
+    core, events = ScriptedCore(steps=5, block_at=2), Recorder()
+    client = ThreadedCoreClient(None, [], core=core, stall_timeout=0.3)
+    client.start(events)
+    try:
+        client.add_request(request("a"))
+        wait_for(lambda: core.num_steps == 2)
+        client.abort_requests(["a"])  # queued: the stuck thread cannot read it
+        wait_for(lambda: events.dead)
+        (reason,) = events.dead
+        assert "no progress for 0.3 s" in reason and events.lost == [(reason, False)]
+        assert "stalled" in client.health_problem()
+        with pytest.raises(EngineUnavailable, match="stalled"):
+            client.add_request(request("b"))
+        start = time.monotonic()
+        client.shutdown()
+        assert time.monotonic() - start < 5 and ("fail_all", "the engine is shut down") not in core.log
+    finally:
+        core.unblock.set()  # the thread, back from its step, ends without reporting
+    wait_for(lambda: not client._thread.is_alive())
+    assert len(events.outputs) == 1  # only the first step's
 
 
 def test_a_client_not_started_refuses_requests():

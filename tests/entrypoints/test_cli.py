@@ -162,3 +162,46 @@ def test_tool_call_parser_auto_is_a_choice():
 
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "auto"])
     assert server_kwargs(args)["tool_call_parser"] == "auto"  # resolved from the chat template at startup
+
+
+def draft_config(path) -> str:
+    return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
+
+
+@pytest.fixture
+def bad_draft_paths(tmp_path):
+    """Draft-model paths the loader cannot read, each with what the error says."""
+    (tmp_path / "no_config").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"\x00" * 8)
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\x00" * 8)
+    return [(tmp_path / "missing", "does not exist"), (tmp_path / "no_config", "has no config.json"),
+            (tmp_path / "weights.bin", "not a .gguf"), (tmp_path / "broken.gguf", "not a valid GGUF file")]
+
+
+def test_a_wrong_draft_model_path_is_one_error_line_before_the_engine_starts(tmp_path):
+    """`pagedserve serve` with a draft model that is not there says so in one `error:` line and exits 1,
+    as for the other bad --speculative-config values: no engine core starts, no traceback."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "missing"
+    server = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", "9",
+                             "--speculative-config", draft_config(missing)], capture_output=True, text=True,
+                            timeout=300)
+    assert server.returncode == 1
+    assert server.stderr.splitlines() == [
+        f"error: speculative_config: the draft model {str(missing)!r} does not exist; pass a Hugging Face model "
+        "directory (config.json + *.safetensors) or a .gguf file"], server.stderr
+
+
+def test_the_offline_api_refuses_a_wrong_draft_model_path_before_loading_weights(bad_draft_paths, monkeypatch):
+    from pagedserve.engine import llm_engine
+
+    def no_core(*args, **kwargs):
+        raise AssertionError("the engine core was built: the path was not checked first")
+
+    monkeypatch.setattr(llm_engine, "EngineCore", no_core)
+    for path, reason in bad_draft_paths:
+        with pytest.raises(ValueError, match=reason) as error:
+            LLM(speculative_config=json.loads(draft_config(path)))
+        assert str(path) in str(error.value) and "speculative_config: the draft model" in str(error.value)

@@ -21,8 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__, heap
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_llm import DEFAULT_STALL_TIMEOUT, AsyncLLM
-from pagedserve.engine.core_client import DEFAULT_MAX_RESTARTS
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.core_client import DEFAULT_MAX_RESTARTS, DEFAULT_STALL_TIMEOUT
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai import http_server
 from pagedserve.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_TOKENS, default_max_body_bytes, prompt_bound
@@ -60,7 +60,7 @@ ERROR_STATUSES = {
     408: "The request body did not arrive in time",
     413: "The request body is over the server's limit",
     500: "The engine failed while serving the request",
-    503: "The server is shutting down (draining), or its engine is not running: restarting after its core died, "
+    503: "The server is shutting down (draining), or its engine is not running: restarting after its core died "
          "or stalled",
 }
 
@@ -241,7 +241,8 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
 class APIKeyMiddleware:
     """Every /v1 route needs `Authorization: Bearer <key>`: checked before the body is even read. So
     does the dashboard, which also takes the key as `?api_key=` (a browser's page and EventSource
-    cannot send the header)."""
+    cannot send the header); a dashboard address with more than one `api_key` is a 400, so that no
+    parser's choice among them decides."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -252,18 +253,26 @@ class APIKeyMiddleware:
         path = scope["path"] if scope["type"] == "http" else ""
         dashboard = path == "/dashboard" or path.startswith("/dashboard/")
         if path.startswith("/v1") or path in MODEL_ROUTES or dashboard:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not (secrets.compare_digest(given, self.expected)
-                    or dashboard and secrets.compare_digest(self._query_key(scope), self.api_key)):
-                error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+            error = None
+            query_keys = self._query_keys(scope) if dashboard else []
+            if len(query_keys) > 1:
+                error = bad_request(f"the query has {len(query_keys)} api_key parameters; give exactly one",
+                                    "api_key")
+            else:
+                given = Headers(scope=scope).get("authorization", "").encode()
+                if not (secrets.compare_digest(given, self.expected)
+                        or query_keys and secrets.compare_digest(query_keys[0].encode(), self.api_key)):
+                    error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+            if error is not None:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-
     @staticmethod
-    def _query_key(scope: Scope) -> bytes:
-        return parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[-1].encode()
+    def _query_keys(scope: Scope) -> list[str]:
+        """Every `api_key` in the query string, empty ones included."""
+        query = scope.get("query_string", b"").decode("latin-1")
+        return parse_qs(query, keep_blank_values=True).get("api_key", [])
 
 
 async def cancel_on_disconnect(request: Request, handler: Awaitable[Response]) -> Response:
@@ -293,8 +302,9 @@ def make_async_engine(config: EngineConfig, engine_core: str = "process", *,
                       max_restarts: int = DEFAULT_MAX_RESTARTS, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
                       ) -> AsyncLLM:
     """The server's engine, not yet started: the core in a process of its own ("process") or on a
-    thread of this one ("thread"). max_restarts: the core process's restarts after it dies;
-    stall_timeout: how long the core may make no progress before /health fails."""
+    thread of this one ("thread"). max_restarts: the core process's restarts after it dies or stalls;
+    stall_timeout: how long the core may make no progress before it counts as lost (a core process
+    is killed and restarted, a core on a thread is dead)."""
     return AsyncLLM(config, engine_core=engine_core, max_restarts=max_restarts, stall_timeout=stall_timeout)
 
 
@@ -317,8 +327,9 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     served under their names, checked before the model loads (ValueError saying which and why);
     allow_runtime_lora_updating: the routes that load and unload adapters while serving; dashboard: the
     live KV view at /dashboard. If the
-    core process dies and cannot be restarted, the server stops and this raises SystemExit with an
-    error (exit code 1), so that a supervisor restarts the service."""
+    core process dies or stalls and cannot be restarted (a core on a thread that stalls never can),
+    the server stops and this raises SystemExit with an error (exit code 1), so that a supervisor
+    restarts the service."""
     engine = make_async_engine(config, engine_core, max_restarts=engine_max_restarts,
                                stall_timeout=engine_stall_timeout)
     name = served_model_name or config.model or EMBEDDED_MODEL_NAME

@@ -3,18 +3,23 @@
 Same answers as the offline API, over the real `openai` client; and when the core process dies,
 the requests in flight end at once with a 503 (an error event and [DONE] in a started stream),
 /health answers 503 until a new core serves, and then everything works again; a core that cannot
-come back ends the server with exit code 1; a stopped core turns /health 503 until it runs."""
+come back ends the server with exit code 1. A core stuck in a step (a fault injected into the core
+process) is killed and replaced the same way, with or without requests in flight, and /health stays
+503 until the new core's step loop runs; a core on a thread that is stuck ends the server."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -22,12 +27,16 @@ from server_harness import MODEL, Server, assert_all_free, serve
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.core_client import ProcessCoreClient
+from pagedserve.engine.llm_engine import tokenizer_eos_ids
 from pagedserve.entrypoints.openai.api_server import build_app
+from tests.engine.fault_injection import run_faulty_core
 
 
 pytestmark = pytest.mark.slow  # a server over an engine core process, and processes killed and restarted
 
-STALL_TIMEOUT = 3.0  # short, for the stopped-core test; a step of these tests takes well under it
+BLOCK = 4242  # a prompt holding this token blocks the faulty core's step for good
+STALL_TIMEOUT = 1.5  # short, for the stuck-core tests; their steps (a tiny model) take milliseconds
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +44,7 @@ def process_server(embedded_tokenizer):
     # The front shares the session's tokenizer; the core process loads the model itself, dequantized as
     # the offline reference's copy is (the GGUF's own formats round differently on some CPUs).
     engine = AsyncLLM(EngineConfig(num_kv_blocks=512, max_model_len=2048, quantization="none"),
-                      tokenizer=embedded_tokenizer,
-                      stall_timeout=STALL_TIMEOUT)
+                      tokenizer=embedded_tokenizer)
     engine.start()
     try:
         with serve(build_app(engine, MODEL)) as url:
@@ -185,29 +193,182 @@ def test_the_core_dies_under_load_requests_end_with_503_and_a_new_core_serves(pr
     assert_all_free(after)
 
 
-@pytest.mark.timing
-def test_a_stopped_core_turns_health_503_until_it_runs_again(process_server):
-    url, engine = process_server.url, process_server.async_engine
-    done = {}
-    thread = threading.Thread(target=lambda: done.update(r=httpx.post(f"{url}/v1/completions", timeout=180, json={
-        "model": MODEL, "prompt": "Count:", "max_tokens": 40, "ignore_eos": True})))
-    thread.start()
+@contextmanager
+def faulty_server(odd_checkpoint, tokenizer, hold, max_restarts=3):
+    """A server over a core process with run_faulty_core's faults (a step blocks for good on BLOCK;
+    a core whose loop starts while the file `hold` exists holds it) and a short stall timeout."""
+    config = EngineConfig(model=str(odd_checkpoint[0]), num_kv_blocks=64, max_model_len=256,
+                          max_num_batched_tokens=64)
+    client = ProcessCoreClient(config, tokenizer_eos_ids(tokenizer), start_timeout=120, max_restarts=max_restarts,
+                               restart_backoff=0.05, stall_timeout=STALL_TIMEOUT,
+                               core_main=functools.partial(run_faulty_core, BLOCK, str(hold)))
+    engine = AsyncLLM(config, tokenizer=tokenizer, client=client)
+    engine.start()
+    try:
+        with serve(build_app(engine, MODEL)) as url:
+            yield Server(url, None, engine)
+    finally:
+        engine.shutdown()
+    assert not client._process.is_alive()
+
+
+@pytest.fixture(scope="module")
+def stuck_server(odd_checkpoint, embedded_tokenizer, tmp_path_factory):
+    """faulty_server, and the file that holds its next core's step loop while it exists."""
+    hold = tmp_path_factory.mktemp("faulty-core") / "hold"
+    with faulty_server(odd_checkpoint, embedded_tokenizer, hold) as server:
+        yield server, hold
+
+
+def wait_for_health(url: str, status: int, timeout: float) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while (health := httpx.get(f"{url}/health")).status_code != status:
+        assert time.monotonic() < deadline, f"/health stayed {health.status_code}: {health.text}"
+        time.sleep(0.05)
+    return health
+
+
+def test_a_core_stuck_in_a_step_is_killed_and_replaced(stuck_server):
+    """The requests in flight end as for a core that died (503; an error event in a started stream);
+    /health is 503 from the stall until the new core's step loop answers (not when it reports ready);
+    then it serves again, and the restart is counted."""
+    server, hold = stuck_server
+    url, engine = server.url, server.async_engine
+    restarts = engine.num_restarts
+    wait_for_health(url, 200, 120)
+    hold.touch()  # the next core holds its step loop until the test lets it go
+    results = {}
+
+    def stream():
+        body = {"model": MODEL, "prompt": "Count:", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            results["stream"] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    def stuck():
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [BLOCK, 5, 6], "max_tokens": 4},
+                       timeout=120)
+        results["stuck"] = (r.status_code, r.json())
+
+    tokens = engine.stats.num_generation_tokens
+    streaming = threading.Thread(target=stream)
+    streaming.start()
     deadline = time.monotonic() + 60
-    while engine.stats.num_running < 1:
+    while engine.stats.num_generation_tokens < tokens + 2:  # the stream has started
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    os.kill(engine.core_pid, signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + STALL_TIMEOUT + 30
-        while (health := httpx.get(f"{url}/health")).status_code == 200:
-            assert time.monotonic() < deadline, "a stopped core left /health at 200"
-            time.sleep(0.1)
-        assert health.status_code == 503 and "no progress" in health.json()["error"]["message"]
-    finally:
-        os.kill(engine.core_pid, signal.SIGCONT)
-    thread.join(timeout=180)
-    assert done["r"].status_code == 200  # the core only paused: the request finishes
+    blocked = threading.Thread(target=stuck)
+    blocked.start()
+    health = wait_for_health(url, 503, STALL_TIMEOUT + 30)
+    assert "stalled" in health.json()["error"]["message"], health.json()
+    streaming.join(timeout=30)
+    blocked.join(timeout=30)
+    status, body = results["stuck"]
+    assert status == 503 and body["error"]["code"] == "engine_unavailable", body
+    assert "stalled" in body["error"]["message"] and "SIGKILL" in body["error"]["message"]  # SIGTERM was ignored
+    status, lines = results["stream"]
+    assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "engine_unavailable"
+
+    # The new core has reported ready but its step loop does not run: still 503, and refused.
+    deadline = time.monotonic() + 120
+    while not hold.with_name("hold.held").exists():
+        assert time.monotonic() < deadline, "no new core"
+        time.sleep(0.05)
+    time.sleep(2 * STALL_TIMEOUT)
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 503 and "restarting" in health.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert engine.num_restarts == restarts
+
+    hold.unlink()
+    wait_for_health(url, 200, 60)
+    assert engine.num_restarts == restarts + 1
+    got = server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3,
+                                             extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 3
     assert httpx.get(f"{url}/health").status_code == 200
+    assert_all_free(server.wait_idle())
+
+
+def test_a_stuck_core_with_no_request_left_in_flight_is_not_healthy(stuck_server):
+    """The client of the request that got the core stuck gives up (its abort queues where the core
+    cannot read it): no output is awaited any more, but the probe finds the core stuck."""
+    server, _ = stuck_server
+    url, engine = server.url, server.async_engine
+    wait_for_health(url, 200, 120)
+    restarts = engine.num_restarts
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [BLOCK], "max_tokens": 4},
+                   timeout=0.5)
+    deadline = time.monotonic() + 30
+    while engine._tracker.entries:  # the server saw the client leave and aborted its request
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    wait_for_health(url, 503, STALL_TIMEOUT + 30)
+    wait_for_health(url, 200, 120)  # replaced
+    assert engine.num_restarts == restarts + 1
+
+
+def test_a_stuck_core_with_no_restarts_left_ends_the_engine(odd_checkpoint, embedded_tokenizer, tmp_path):
+    with faulty_server(odd_checkpoint, embedded_tokenizer, tmp_path / "hold", max_restarts=0) as server:
+        url, engine = server.url, server.async_engine
+        reasons = []
+        engine.add_dead_hook(reasons.append)  # run_server's stops the server: exit code 1
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [BLOCK], "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 503 and "stalled" in r.json()["error"]["message"]
+        deadline = time.monotonic() + 30
+        while not reasons:
+            assert time.monotonic() < deadline, "the dead hooks did not run"
+            time.sleep(0.02)
+        assert "stalled" in reasons[0] and "no new core started in 0 tries" in reasons[0]
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "not running" in health.json()["error"]["message"]
+        assert engine.num_restarts == 0
+
+
+def test_a_core_on_a_thread_that_stalls_makes_the_server_exit_non_zero(odd_checkpoint, tmp_path):
+    """A thread cannot be killed: `pagedserve serve --engine-core thread` whose core is stuck in a step
+    fails the request in flight and exits with code 1, for its supervisor to start a new server."""
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from tests.engine.fault_injection import block_steps_on
+        from pagedserve.entrypoints.cli import main
+
+        block_steps_on({BLOCK})
+        main(sys.argv[1:])
+    """))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "log"
+    server = subprocess.Popen(
+        [sys.executable, str(script), "serve", "--port", str(port), "--model", str(odd_checkpoint[0]),
+         "--served-model-name", MODEL, "--engine-core", "thread", "--engine-stall-timeout", str(STALL_TIMEOUT), "--num-kv-blocks", "64",
+         "--max-model-len", "256", "--max-num-batched-tokens", "64"],
+        stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=os.getcwd(),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [BLOCK], "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 503 and "stalled" in r.json()["error"]["message"]
+        assert server.wait(timeout=60) == 1, log.read_text()
+        assert "error: the engine core could not be restarted: the engine core made no progress" in log.read_text()
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_a_core_that_cannot_restart_makes_the_server_exit_non_zero(tmp_path):

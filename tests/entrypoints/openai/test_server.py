@@ -359,6 +359,20 @@ def test_api_key(server):
     assert server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices
 
 
+def test_the_dashboard_takes_exactly_one_api_key_in_its_query(server):
+    with serve(build_app(server.async_engine, MODEL, api_key="sk-test")) as url:
+        assert httpx.get(f"{url}/dashboard?api_key=sk-test").status_code == 200
+        # Whichever of two keys a parser would pick (the first, the last), two are refused.
+        for query in ("api_key=sk-test&api_key=wrong", "api_key=wrong&api_key=sk-test",
+                      "api_key=sk-test&api_key=sk-test", "api_key=&api_key=sk-test", "api%5Fkey=wrong&api_key=sk-test"):
+            for path in ("/dashboard", "/dashboard/events"):
+                r = httpx.get(f"{url}{path}?{query}", headers={"Authorization": "Bearer sk-test"})
+                assert r.status_code == 400, (path, query)
+                error = r.json()["error"]
+                assert error["param"] == "api_key" and "api_key" in error["message"], error
+                assert error["type"] == "invalid_request_error"
+
+
 
 def test_the_operators_default_max_tokens(embedded_model, embedded_tokenizer):
     """`--override-generation-config '{"max_new_tokens": 5}'`: max_tokens for a request that sets none;
