@@ -36,6 +36,7 @@ from torch import Tensor
 from pagedserve.distributed.group import TPGroup
 from pagedserve.lora import files
 from pagedserve.lora.files import MAX_CONFIG_BYTES, MAX_HEADER_BYTES, HeaderEntry
+from pagedserve.lora.patterns import pattern_problem, suffix_matcher, suffix_matches
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.llama import DecoderForCausalLM
 from pagedserve.models.sharding import TPShard
@@ -217,7 +218,7 @@ def _inspect(path: str | Path, config: ModelConfig, max_rank: int, read_values: 
     are of one file even if it is replaced meanwhile."""
     where = f"LoRA adapter {files.shown(path)}"
     directory = files.check_directory(str(path), where, _ADAPTER_DIRECTORY)
-    settings = _read_settings(directory, where)
+    settings = _read_settings(directory, where, config.num_layers)
     file = directory / WEIGHTS_FILE
     with files.open_regular(file, where) as opened:
         if opened is None:
@@ -261,8 +262,8 @@ def _check_header(header: dict[str, HeaderEntry], settings: _Settings, config: M
                                  "projection needs both lora_A and lora_B")
         # the name PEFT matches patterns on
         key = f"model.layers.{layer}.{PROJECTION_PARENT[projection]}.{projection}"
-        r = settings.rank_pattern.get(_pattern_key(settings.rank_pattern, key), settings.r)
-        alpha = settings.alpha_pattern.get(_pattern_key(settings.alpha_pattern, key), settings.lora_alpha)
+        r = _first_match(settings.rank_pattern, key, settings.r)
+        alpha = _first_match(settings.alpha_pattern, key, settings.lora_alpha)
         out_features, in_features = cuts[projection].shape
         for kind, expected in (("A", (r, in_features)), ("B", (out_features, r))):
             shape = header[names[kind]].shape
@@ -313,13 +314,15 @@ class _Settings(NamedTuple):
     r: int
     lora_alpha: float
     use_rslora: bool
-    rank_pattern: dict[str, int]
-    alpha_pattern: dict[str, float]
+    rank_pattern: dict[re.Pattern, int]  # by each key compiled (`patterns.suffix_matcher`), in the config's order
+    alpha_pattern: dict[re.Pattern, float]
 
 
-def _read_settings(directory: Path, where: str) -> _Settings:
+def _read_settings(directory: Path, where: str, num_layers: int) -> _Settings:
     """adapter_config.json's settings that decide the adapter's outputs; ValueError for one that
-    asks for something other than plain LoRA on the seven projections."""
+    asks for something other than plain LoRA on the seven projections. Its patterns are bounded
+    in number (by the model's `num_layers`) and in the work each takes to match."""
+    max_patterns = _TENSORS_HEADROOM * len(PROJECTIONS) * num_layers + _TENSORS_SLACK
     file = directory / CONFIG_FILE
     with files.open_regular(file, where) as opened:
         if opened is None:
@@ -328,7 +331,7 @@ def _read_settings(directory: Path, where: str) -> _Settings:
         data = files.read_at_most(opened[0], MAX_CONFIG_BYTES, file, where, bound)
     config = files.parse_json_object(data, f"{where}: {CONFIG_FILE}")
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"{where}: peft_type is {config.get('peft_type')!r}; only LoRA adapters (peft_type "
+        raise ValueError(f"{where}: peft_type is {_short(config.get('peft_type'))}; only LoRA adapters (peft_type "
                          "'LORA') are served")
     problems = _refusals(config)
     if problems:
@@ -336,21 +339,24 @@ def _read_settings(directory: Path, where: str) -> _Settings:
     r = config.get("r", _DEFAULT_R)
     alpha = config.get("lora_alpha", _DEFAULT_ALPHA)
     if not _positive_int(r):
-        raise ValueError(f"{where}: r must be a positive integer, got {r!r}")
+        raise ValueError(f"{where}: r must be a positive integer, got {_short(r)}")
     if not _number(alpha):
-        raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+        raise ValueError(f"{where}: lora_alpha must be a number, got {_short(alpha)}")
     patterns = []
     for key, check, what in (("rank_pattern", _positive_int, "positive integers"),
                              ("alpha_pattern", _number, "numbers")):
         pattern = config.get(key) or {}
         if not isinstance(pattern, dict) or not all(check(v) for v in pattern.values()):
-            raise ValueError(f"{where}: {key} must map module names to {what}, got {pattern!r}")
+            raise ValueError(f"{where}: {key} must map module names to {what}, got {_short(pattern)}")
+        if len(pattern) > max_patterns:
+            raise ValueError(f"{where}: {key} has {len(pattern):,} keys, above the bound of {max_patterns:,} for "
+                             f"this model ({len(PROJECTIONS)} projections in each of its {num_layers} layers, with "
+                             "headroom)")
         for k in pattern:
-            try:
-                re.compile(k)
-            except re.error as e:
-                raise ValueError(f"{where}: {key} key {k!r} is not a valid regular expression: {e}") from e
-        patterns.append(pattern)
+            problem = pattern_problem(k, suffix=True)
+            if problem is not None:
+                raise ValueError(f"{where}: {key} key {_short(k)} {problem}")
+        patterns.append({suffix_matcher(k): v for k, v in pattern.items()})
     return _Settings(r, alpha, bool(config.get("use_rslora", False)), *patterns)
 
 
@@ -368,19 +374,26 @@ def _refusals(config: dict[str, Any]) -> list[str]:
     targets = config.get("target_modules")
     if isinstance(targets, str):
         if targets.lower() != "all-linear":  # PEFT's shorthand leaves out the output layer
-            try:
+            problem = pattern_problem(targets, suffix=False)
+            if problem is not None:
+                problems.append(f"target_modules {_short(targets)} {problem}")
+            else:
                 outside = [m for m in ("model.embed_tokens", "lm_head") if re.fullmatch(targets, m)]
-            except re.error as e:
-                outside = [f"(an invalid regular expression: {e})"]
-            if outside:
-                problems.append(f"target_modules {targets!r} matches {', '.join(outside)}; {_only_projections()}")
-    elif targets is not None:
+                if outside:
+                    problems.append(f"target_modules {targets!r} matches {', '.join(outside)}; {_only_projections()}")
+    elif isinstance(targets, list):
         others = [t for t in targets if not (isinstance(t, str) and t.rpartition(".")[2] in PROJECTIONS)]
         if others:
-            problems.append(f"target_modules names {', '.join(map(repr, others))}; {_only_projections()}")
-    if config.get("modules_to_save"):
-        problems.append(f"modules_to_save ({', '.join(map(str, config['modules_to_save']))}) carries fully trained "
-                        f"copies of modules; {_only_projections()}")
+            named = _short(", ".join(map(repr, others)), quote=False)
+            problems.append(f"target_modules names {named}; {_only_projections()}")
+    elif targets is not None:
+        problems.append(f"target_modules must be a list of module names or one regular expression, got "
+                        f"{_short(targets)}")
+    saved = config.get("modules_to_save")
+    if saved:
+        listed = ", ".join(map(str, saved)) if isinstance(saved, list) else str(saved)
+        problems.append(f"modules_to_save ({_short(listed, quote=False)}) carries fully trained copies of modules; "
+                        f"{_only_projections()}")
     if config.get("trainable_token_indices"):
         problems.append(f"trainable_token_indices trains embeddings of chosen tokens; {_only_projections()}")
     if config.get("target_parameters"):
@@ -389,7 +402,7 @@ def _refusals(config: dict[str, Any]) -> list[str]:
         problems.append("use_dora: DoRA adapters are not served (their magnitude vectors rescale the base weights); "
                         "merge it into the model with PEFT's merge_and_unload, or train a plain LoRA")
     if config.get("bias", "none") != "none":
-        problems.append(f"bias={config['bias']!r}: the adapter carries trained biases, which are not served; "
+        problems.append(f"bias={_short(config['bias'])}: the adapter carries trained biases, which are not served; "
                         "train with bias='none', or merge it into the model with PEFT's merge_and_unload")
     if config.get("lora_bias"):
         problems.append("lora_bias: LoRA B with a bias is not served; train with lora_bias=False, or merge it into "
@@ -401,7 +414,7 @@ def _refusals(config: dict[str, Any]) -> list[str]:
         problems.append("layer_replication stacks copies of layers, which the served model does not have")
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
-        problems.append(f"init_lora_weights={init!r} trains against base weights PEFT changed at "
+        problems.append(f"init_lora_weights={_short(init)} trains against base weights PEFT changed at "
                         f"initialisation, which the served model does not have; {_CONVERT}")
     problems += [f"{key} is set: a LoRA variant that is not served; train a plain LoRA" for key in _VARIANTS
                  if config.get(key)]
@@ -430,11 +443,10 @@ def _unexpected_tensor(name: str) -> str:
     return f"{what} as PEFT names them (base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight)"
 
 
-def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
-    """The first pattern (in the config's order) that matches a module name as PEFT matches
-    rank_pattern and alpha_pattern (its get_pattern_key): the pattern is a suffix of the name
-    that starts after a dot, as a regular expression."""
-    return next((p for p in patterns if re.match(rf"(.*\.)?({p})$", key)), None)
+def _first_match(patterns: dict[re.Pattern, Any], key: str, default: Any) -> Any:
+    """The value of the first pattern (in the config's order) that matches a module name as PEFT
+    matches rank_pattern and alpha_pattern (its get_pattern_key), else `default`."""
+    return next((value for matcher, value in patterns.items() if suffix_matches(matcher, key)), default)
 
 
 @functools.lru_cache(maxsize=32)
@@ -449,6 +461,12 @@ def _cuts(config: ModelConfig, rank: int, size: int) -> dict[str, _Cut]:
         length = t.rows if t.source_dim == 0 else t.param.shape[t.source_dim]
         cuts[projection] = _Cut(t.expected_shape(), t.source_dim, t.source_start, length)
     return cuts
+
+
+def _short(value: Any, quote: bool = True) -> str:
+    """A config's value as a message shows it: its repr, cut short past a few hundred characters."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= 200 else f"{text[:160]}... ({len(text):,} characters)"
 
 
 def _positive_int(value: Any) -> bool:

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.lora import files
 from pagedserve.lora.files import MAX_CONFIG_BYTES, MAX_HEADER_BYTES
+from pagedserve.lora.patterns import pattern_problem, suffix_matcher, suffix_matches
 from pagedserve.lora.weights import (CONFIG_FILE, WEIGHTS_FILE, adapter_identity, header_bounds, load_adapter,
                                      read_adapter, verify_adapter)
 from pagedserve.models.config import ModelConfig
@@ -301,3 +302,61 @@ def test_the_header_and_the_tensors_are_read_from_one_file(llama, adapter, tmp_p
     monkeypatch.setattr(files, "read_safetensors_header", real)
     with pytest.raises(ValueError, match="not finite"):  # and the next read is of the file now there
         load_adapter(adapter, llama, MAX_RANK, torch.float32, TPShard.of(llama))
+
+
+# -- the config's regular expressions -------------------------------------------------------------------------------
+
+def with_config(adapter: Path, **settings) -> Path:
+    config = adapter / CONFIG_FILE
+    config.write_text(json.dumps({**json.loads(config.read_text()), **settings}))
+    return adapter
+
+
+@pytest.mark.parametrize("pattern, problem", [
+    ("(.*)*(.*)*(.*)*z", r"too costly to match safely \(it repeats a part that repeats\)"),
+    ("(.*.*)*x", r"it repeats a part that repeats"),
+    (r"(\w+\.?)*$x", r"it repeats a part that repeats"),
+    ("(q_proj|k_proj)+", r"it repeats an alternation"),
+    (".*.*.*.*q_proj", r"it has 4 repeats"),
+    (r"(q)_\1", r"it has a backreference"),
+    ("(?i)q_proj", r"is not a valid regular expression: global flags not at the start"),  # as in PEFT's wrapper
+    ("q" * 1001, r"is 1,001 characters long, above the bound of 1,000"),
+], ids=["nested-stars", "star-of-stars", "word-dots", "alternation", "four-repeats", "backreference", "flags", "long"])
+def test_a_pattern_too_costly_to_match_is_refused_at_once(llama, adapter, pattern, problem):
+    # each of the first three takes `re` hours (or for ever) on one module name
+    refused(with_config(adapter, rank_pattern={pattern: 2}), llama, rf"rank_pattern key .*{problem}")
+    refused(with_config(adapter, rank_pattern={}, alpha_pattern={pattern: 2}), llama, rf"alpha_pattern key .*{problem}")
+    if pattern != "(?i)q_proj":  # (valid as target_modules: PEFT matches it alone)
+        refused(with_config(adapter, alpha_pattern={}, target_modules=pattern), llama, rf"target_modules .*{problem}")
+
+
+def test_too_many_pattern_keys_are_refused(llama, adapter):
+    keys = {f"layers.{i}.self_attn.q_proj": 4 for i in range(4 * 7 * 2 + 257)}
+    refused(with_config(adapter, rank_pattern=keys), llama, r"rank_pattern has 313 keys, above the bound of 312 for "
+                                                            r"this model \(7 projections in each of its 2 layers")
+
+
+def test_patterns_match_a_module_as_peft_matches_them():
+    names = [f"model.layers.{i}.{parent}.{p}" for i in (0, 1, 12) for parent, ps in
+             (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+             for p in ps]
+    patterns = ["q_proj", "proj", "_proj", r"layers\.1\.self_attn\.q_proj", r"mlp\.(gate|up)_proj",
+                r"model\.layers\.0\..*", r".*\.(q|v)_proj", r"layers\.\d+\.mlp\..*", "^model.layers.0.mlp.down_proj",
+                r"(?<=self_attn\.)q_proj",
+                r"(?i:Q_PROJ)", "layers.1.self_attn.q_proj|down_proj", r"2\.self_attn\.q_proj", r"\d\.mlp\.up_proj",
+                "self_attn", r"(?P<n>o)_proj", r"layers\.(0|12)\.self_attn\.k_proj", "model.layers.1", ".*"]
+    for pattern in patterns:
+        assert pattern_problem(pattern, suffix=True) is None, pattern
+        matcher = suffix_matcher(pattern)
+        for name in names:
+            assert suffix_matches(matcher, name) == bool(re.match(rf"(.*\.)?({pattern})$", name)), (pattern, name)
+
+
+@pytest.mark.parametrize("key", ["target_modules", "modules_to_save", "rank_pattern", "alpha_pattern", "r",
+                                 "lora_alpha", "bias", "init_lora_weights", "peft_type", "use_dora",
+                                 "layer_replication", "trainable_token_indices", "use_rslora", "fan_in_fan_out"])
+def test_a_config_value_of_any_type_is_a_value_error_or_accepted(llama, adapter, key):
+    for value in (5, -1.5, "x", "x" * 5000, [1, [2]], ["q_proj", 3], {"a": [1]}, {"q_proj": "x"}, None, True, []):
+        error = finishes(lambda: read_adapter(with_config(adapter, **{key: value}), llama, MAX_RANK))
+        assert error is None or isinstance(error, ValueError), (key, value, repr(error))
+        assert error is None or len(str(error)) < 2000, (key, value)

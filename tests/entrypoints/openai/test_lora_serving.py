@@ -277,6 +277,14 @@ def replace_file(name: str, make):
     return damage
 
 
+def edit_config(**settings):
+    """A damage: the adapter's config with `settings` in it."""
+    def damage(path: Path) -> None:
+        config = path / CONFIG
+        config.write_text(json.dumps({**json.loads(config.read_text()), **settings}))
+    return damage
+
+
 def long_header(file: Path) -> None:
     file.write_bytes(struct.pack("<Q", 52_000_000))  # a header of 52 MB
     os.truncate(file, 8 + 52_000_000)  # (sparse: as long as it claims, made at once)
@@ -305,6 +313,10 @@ def bad_adapters(adapters, tmp_path_factory) -> dict[str, tuple[str, str]]:
                        r"cannot read adapter_config\.json: Input/output error \(EIO\)"),
         "weights-fifo": (replace_file(WEIGHTS, os.mkfifo), r"adapter_model\.safetensors is a named pipe \(FIFO\)"),
         "config-fifo": (replace_file(CONFIG, os.mkfifo), r"adapter_config\.json is a named pipe \(FIFO\)"),
+        "costly-pattern": (edit_config(rank_pattern={"(.*)*(.*)*(.*)*z": 4}),  # `re` would take for ever
+                           r"rank_pattern key '\(\.\*\)\*\(\.\*\)\*\(\.\*\)\*z' is a regular expression too costly"),
+        "flag-pattern": (edit_config(rank_pattern={"(?i)q_proj": 4}), r"global flags not at the start"),
+        "target-number": (edit_config(target_modules=5), r"target_modules must be a list of module names or one"),
         "nan": (poison(float("nan")), rf"tensor '{Q_B}' holds values that are not finite \(NaN or infinity\)"),
         "inf": (poison(float("-inf")), rf"tensor '{Q_B}' holds values that are not finite \(NaN or infinity\)"),
     }
@@ -345,6 +357,33 @@ def test_an_adapter_replaced_after_its_load_is_refused_when_the_core_reads_it(lo
     r = post(lora_server, "completions", model="swapped", prompt=PROMPT, max_tokens=4)
     assert r.status_code == 400 and f"tensor '{Q_B}' holds values that are not finite" in r.json()["error"]["message"]
     assert post(lora_server, "unload_lora_adapter", lora_name="swapped").status_code == 200
+
+
+def test_a_load_touches_the_adapters_files_only_off_the_event_loop(lora_server, adapters, tmp_path, monkeypatch):
+    """Every stat, open and path resolution of the adapter, at its load and at a request under it,
+    runs on a thread without an event loop (the route's executor, the core's thread)."""
+    path = str(shutil.copytree(adapters["gamma"], tmp_path / "watched"))
+    calls = []
+
+    def watched(fn):
+        def call(target, *args, **kwargs):
+            if str(target).startswith(path):
+                try:
+                    asyncio.get_running_loop()
+                    calls.append((fn.__name__, "on the event loop"))
+                except RuntimeError:
+                    calls.append((fn.__name__, "off it"))
+            return fn(target, *args, **kwargs)
+        return call
+
+    for name in ("stat", "open"):
+        monkeypatch.setattr(os, name, watched(getattr(os, name)))
+    monkeypatch.setattr(os.path, "realpath", watched(os.path.realpath))
+    assert post(lora_server, "load_lora_adapter", lora_name="watched", lora_path=path).status_code == 200
+    assert post(lora_server, "completions", model="watched", prompt=PROMPT, max_tokens=2).status_code == 200
+    assert post(lora_server, "unload_lora_adapter", lora_name="watched").status_code == 200
+    assert {"stat", "open", "realpath"} <= {name for name, _ in calls}
+    assert {where for _, where in calls} == {"off it"}
 
 
 @pytest.fixture(scope="module")
