@@ -57,7 +57,7 @@ _TENSOR_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+
 _DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 # The safetensors header's bounds (`header_bounds`): a PEFT adapter of all 7 projections holds 2
-# tensors per projection and layer, each ~150 bytes of header. The headroom lets an adapter with
+# tensors per projection and layer, each ~130 bytes of header. The headroom lets an adapter with
 # more (DoRA's magnitude vectors, biases, a few trained modules) be refused by what it holds.
 _TENSORS_HEADROOM, _TENSORS_SLACK = 4, 256
 _HEADER_BYTES_PER_TENSOR, _HEADER_SLACK_BYTES = 1024, 64 << 10
