@@ -5,7 +5,7 @@ from __future__ import annotations
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import validate_prompt
 from pagedserve.lora.request import LoRARequest
-from pagedserve.lora.weights import read_adapter
+from pagedserve.lora.weights import verify_adapter
 from pagedserve.models.config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.text import check_unicode
@@ -29,10 +29,17 @@ def process_inputs(tokenizer, prompt: str | list[int], params: SamplingParams, *
     return text, token_ids
 
 
-def check_adapter(adapter: LoRARequest, config: EngineConfig, model_config: ModelConfig) -> None:
-    """ValueError unless the engine serves LoRA and `adapter` fits the model and max_lora_rank.
-    Reads the adapter's config and its tensors' shapes, not the tensors."""
+def check_lora_enabled(adapter: LoRARequest, config: EngineConfig) -> None:
     if not config.enable_lora:
         raise ValueError(f"this engine serves no LoRA adapters (asked for {adapter.lora_name!r}): start it with "
                          "enable_lora=True (the server: --enable-lora)")
-    read_adapter(adapter.lora_path, model_config, config.max_lora_rank)
+
+
+def check_adapter(adapter: LoRARequest, config: EngineConfig, model_config: ModelConfig) -> None:
+    """ValueError unless the engine serves LoRA and `adapter` fits the model and max_lora_rank,
+    its values included (every read bounded: `lora/files.py`). For a front whose core reads the
+    adapter itself: the weights read here are dropped. (Sending them to the core would cost more
+    than its own read of a file just read; it repeats every check, so a file changed meanwhile is
+    refused then, for the requests that need it.)"""
+    check_lora_enabled(adapter, config)
+    verify_adapter(adapter.lora_path, model_config, config.max_lora_rank, config.torch_dtype)

@@ -15,7 +15,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore, EngineStats
 from pagedserve.core.messages import EngineCoreRequest
 from pagedserve.engine.core_client import InprocClient
-from pagedserve.engine.input_processor import check_adapter, process_inputs, tokenize
+from pagedserve.engine.input_processor import check_lora_enabled, process_inputs, tokenize
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.kv import KVCacheStats
 from pagedserve.lora.request import LoRARequest
@@ -110,13 +110,14 @@ class LLMEngine:
                                           token_ids, params, arrival_time)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Check an adapter against the model (ValueError saying why it cannot be served) and start
-        reading it into memory. True once it is known."""
+        """Read an adapter into host memory, checked against the model, its values included
+        (ValueError saying why it cannot be served). True once it is known. The weights read here
+        are the ones its requests use (unless host memory drops them first: see LoRAManager)."""
         if lora_request not in self._checked_adapters:
             if not isinstance(lora_request, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-            check_adapter(lora_request, self.config, self.model_config)
-            self.core.executor.prefetch_lora(lora_request)
+            check_lora_enabled(lora_request, self.config)
+            self.core.executor.prefetch_lora(lora_request).result()
             self._checked_adapters.add(lora_request)
         return True
 

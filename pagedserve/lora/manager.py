@@ -68,7 +68,9 @@ class LoRAManager:
                 self._loading.pop(adapter, None)
 
     def activate(self, loads: list[tuple[int, LoRARequest]]) -> None:
-        """Fill each slot with its adapter, before a step that needs them."""
+        """Fill each slot with its adapter, before a step that needs them. One host memory has
+        dropped is read again here (a bounded read of a small file, every check repeated: a file
+        changed since is refused, and the step's fault containment fails the requests that need it)."""
         for slot, adapter in loads:
             with self._lock:
                 weights = self._host.get(adapter)

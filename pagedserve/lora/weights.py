@@ -10,15 +10,22 @@ rank_pattern and alpha_pattern set r and lora_alpha per module, matched as PEFT 
 Only plain LoRA on the seven attention and MLP projections is served: anything else an adapter
 could carry (DoRA, biases, trained embeddings or heads, other variants) is refused by name, since
 serving it without would silently give other outputs than PEFT's. Pickle files (.bin) are not read.
+
+Every read is bounded (`lora/files.py`): the config at MAX_CONFIG_BYTES; the safetensors header at
+what the model can hold (`header_bounds`); the tensors' bytes at what the checked shapes take. The
+directory is never listed: its two files are opened by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import hashlib
 import math
+import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,9 +34,11 @@ import torch
 from torch import Tensor
 
 from pagedserve.distributed.group import TPGroup
+from pagedserve.lora import files
+from pagedserve.lora.files import MAX_CONFIG_BYTES, MAX_HEADER_BYTES, HeaderEntry
+from pagedserve.lora.patterns import pattern_problem, suffix_matcher, suffix_matches
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.llama import DecoderForCausalLM
-from pagedserve.models.loader import read_json_object
 from pagedserve.models.sharding import TPShard
 
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -46,6 +55,12 @@ _FUSED = {p: fused for fused, parts in FUSED_PARTS.items() for p in parts}
 _PREFIX = "base_model.model."  # PeftModel's own prefix: PeftModel.from_pretrained loads no other names
 _TENSOR_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
 _DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+# The safetensors header's bounds (`header_bounds`): a PEFT adapter of all 7 projections holds 2
+# tensors per projection and layer, each ~130 bytes of header. The headroom lets an adapter with
+# more (DoRA's magnitude vectors, biases, a few trained modules) be refused by what it holds.
+_TENSORS_HEADROOM, _TENSORS_SLACK = 4, 256
+_HEADER_BYTES_PER_TENSOR, _HEADER_SLACK_BYTES = 1024, 64 << 10
 _LIST = ", ".join(PROJECTIONS)
 # PEFT's defaults for keys an adapter_config.json may leave out (LoraConfig's fields).
 _DEFAULT_R, _DEFAULT_ALPHA = 8, 8
@@ -106,34 +121,51 @@ def read_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> 
     return _inspect(path, model_config, max_rank)[0]
 
 
+def verify_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, dtype: torch.dtype) -> AdapterInfo:
+    """Every check load_adapter makes, its values' included, with the weights then dropped: for a
+    front that registers an adapter which another process (the engine core, each tensor-parallel
+    rank) reads for itself, so that a bad one is refused when it is registered rather than failing
+    every request for it. The whole adapter: every rank's shard is part of it."""
+    info, modules, tensors = _inspect(path, model_config, max_rank, read_values=True)
+    for _ in _shard_parts(info, modules, tensors, model_config, dtype, TPShard.of(model_config)):
+        pass
+    return info
+
+
 def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, dtype: torch.dtype,
                  shard: TPShard) -> LoRAWeights:
     """The adapter's A and B for tensor-parallel rank `shard`, with its scaling in B, in `dtype`:
     checked as read_adapter does, and refused if a value is not finite. Each rank's slice of a
     projection is the one its base weight holds (checkpoint_targets), so the two always agree."""
-    from safetensors.torch import load_file
-
-    info, modules, file = _inspect(path, model_config, max_rank)
-    cuts = _cuts(model_config, shard.rank, shard.size)
-    tensors = load_file(str(file))  # the whole file: an adapter is small, and one read is fastest
-    _check_finite(tensors, f"LoRA adapter {info.path}", "the adapter is damaged or its training diverged")
+    info, modules, tensors = _inspect(path, model_config, max_rank, read_values=True)
     weights: dict[tuple[int, str], list[tuple[Tensor, Tensor] | None]] = {}
-    scaled = {}
-    for m in modules:
-        a, b = tensors[m.a_name], tensors[m.b_name]
-        cut = cuts[m.projection]
-        if cut.dim == 0:
-            b = b.narrow(0, cut.start, cut.length)
-        else:
-            a = a.narrow(1, cut.start, cut.length)
-        a = a.to(dtype).contiguous()
-        scaled[m.b_name] = b = (b.to(torch.float32) * m.scaling).to(dtype)
+    for m, a, b in _shard_parts(info, modules, tensors, model_config, dtype, shard):
         fused = _FUSED[m.projection]
         parts = weights.setdefault((m.layer, fused), [None] * len(FUSED_PARTS[fused]))
         parts[FUSED_PARTS[fused].index(m.projection)] = (a, b)
-    _check_finite(scaled, f"LoRA adapter {info.path}",
-                  f"once scaled, it overflows {str(dtype).removeprefix('torch.')}; serve the adapter in a wider dtype")
     return LoRAWeights(info.path, info.rank, weights)
+
+
+def _shard_parts(info: AdapterInfo, modules: list[_Module], tensors: dict[str, Tensor], config: ModelConfig,
+                 dtype: torch.dtype, shard: TPShard) -> Iterator[tuple[_Module, Tensor, Tensor]]:
+    """Each module's (A, B * scaling) in `dtype`, cut for `shard`, after its values are checked:
+    every stored tensor finite, and each whole scaled B finite in `dtype` (whole: every rank
+    refuses an adapter alike, so that one rank's check stands for all)."""
+    where = f"LoRA adapter {files.shown(info.path)}"
+    _check_finite(tensors, where, "the adapter is damaged or its training diverged")
+    cuts = _cuts(config, shard.rank, shard.size)
+    overflow = f"once scaled, it overflows {str(dtype).removeprefix('torch.')}; serve the adapter in a wider dtype"
+    for m in modules:
+        a = tensors[m.a_name]
+        b = (tensors[m.b_name].to(torch.float32) * m.scaling).to(dtype)
+        _check_finite({m.b_name: b}, where, overflow)
+        cut = cuts[m.projection]
+        if cut.dim == 0:
+            b = b.narrow(0, cut.start, cut.length).clone()
+        else:
+            a = a.narrow(1, cut.start, cut.length)
+        a = a.to(dtype, copy=True).contiguous()  # (a copy: the stored tensors are views of the file's bytes)
+        yield m, a, b
 
 
 def _check_finite(tensors: dict[str, Tensor], where: str, why: str) -> None:
@@ -146,45 +178,68 @@ def _check_finite(tensors: dict[str, Tensor], where: str, why: str) -> None:
 
 
 def adapter_identity(path: str | Path) -> str:
-    """A short digest of the adapter directory's files, for keys (cached prefixes) that must change
-    when the adapter does. It covers each file's name, size and mtime, and also its inode and
-    ctime: adapters of one shape have files of equal sizes, and a copy or an unpacked archive can
-    carry an old mtime, but a file rewritten or replaced always gets a new ctime or inode."""
-    directory = _directory(path)
-    digest = hashlib.sha256(str(directory.resolve()).encode())
-    for f in sorted(directory.iterdir()):
-        if f.is_file():
-            s = f.stat()
-            digest.update(f"\0{f.name}\0{s.st_size}\0{s.st_mtime_ns}\0{s.st_ctime_ns}\0{s.st_ino}".encode())
+    """A short digest of the adapter's two files, for keys (cached prefixes) that must change when
+    the adapter does. It covers each file's size and mtime, and also its device, inode and ctime:
+    adapters of one shape have files of equal sizes, and a copy or an unpacked archive can carry
+    an old mtime, but a file rewritten or replaced always gets a new ctime or inode. Computed for
+    every request on the core's step loop: a stat of the directory and of each file, no listing."""
+    where = f"LoRA adapter {files.shown(path)}"
+    directory = files.check_directory(str(path), where, _ADAPTER_DIRECTORY)
+    digest = hashlib.sha256(os.fsencode(os.path.realpath(directory)))
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        try:
+            s = os.stat(directory / name)
+        except OSError as e:  # missing or unreadable: reading the adapter says why
+            digest.update(f"\0{name}\0{errno.errorcode.get(e.errno, e.errno)}".encode())
+            continue
+        digest.update(f"\0{name}\0{s.st_size}\0{s.st_mtime_ns}\0{s.st_ctime_ns}\0{s.st_dev}\0{s.st_ino}".encode())
     return digest.hexdigest()[:16]
 
 
-def _directory(path: str | Path) -> Path:
-    directory = Path(path).expanduser()
-    if not directory.is_dir():
-        what = "is a file, not" if directory.exists() else "does not exist; pass"
-        raise ValueError(f"LoRA adapter {path}: {what} a directory as PEFT's save_pretrained writes it "
-                         f"({CONFIG_FILE} and {WEIGHTS_FILE})")
-    return directory
+_ADAPTER_DIRECTORY = f"a directory as PEFT's save_pretrained writes it ({CONFIG_FILE} and {WEIGHTS_FILE})"
 
 
-def _inspect(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[AdapterInfo, list[_Module], Path]:
-    """(what read_adapter returns, each targeted module, the safetensors file)."""
-    directory = _directory(path)
-    where = f"LoRA adapter {path}"
-    settings = _read_settings(directory, where)
+def header_bounds(config: ModelConfig) -> tuple[int, int, str]:
+    """(the most bytes, the most tensors) an adapter's safetensors header may hold for this model,
+    and the bounds in words: the tensors a LoRA of every projection of every layer holds, with
+    headroom, and their header at a generous size each, never above MAX_HEADER_BYTES."""
+    lora_tensors = 2 * len(PROJECTIONS) * config.num_layers
+    max_tensors = _TENSORS_HEADROOM * lora_tensors + _TENSORS_SLACK
+    max_bytes = min(MAX_HEADER_BYTES, max_tensors * _HEADER_BYTES_PER_TENSOR + _HEADER_SLACK_BYTES)
+    words = (f"a LoRA adapter of all {len(PROJECTIONS)} projections of this model's {config.num_layers} layers holds "
+             f"{lora_tensors:,} tensors; the bounds allow {max_tensors:,} tensors and {max_bytes:,} bytes of header")
+    return max_bytes, max_tensors, words
+
+
+def _inspect(path: str | Path, config: ModelConfig, max_rank: int, read_values: bool = False
+             ) -> tuple[AdapterInfo, list[_Module], dict[str, Tensor]]:
+    """(what read_adapter returns, each targeted module, the stored tensors by name if
+    `read_values`, else {}). The header and the tensors are read through one descriptor, so they
+    are of one file even if it is replaced meanwhile."""
+    where = f"LoRA adapter {files.shown(path)}"
+    directory = files.check_directory(str(path), where, _ADAPTER_DIRECTORY)
+    settings = _read_settings(directory, where, config.num_layers)
     file = directory / WEIGHTS_FILE
-    if not file.is_file():
-        if (directory / PICKLE_FILE).is_file():
-            raise ValueError(f"{where}: has {PICKLE_FILE} but no {WEIGHTS_FILE}; pagedserve does not load pickle "
-                             "files (unpickling can run arbitrary code): save the adapter once with PEFT's "
-                             "save_pretrained(..., safe_serialization=True)")
-        raise ValueError(f"{where}: no {WEIGHTS_FILE} (the adapter's weights) in the directory")
-    header = _read_header(file, where)
+    with files.open_regular(file, where) as opened:
+        if opened is None:
+            if _exists(directory / PICKLE_FILE):
+                raise ValueError(f"{where}: has {PICKLE_FILE} but no {WEIGHTS_FILE}; pagedserve does not load pickle "
+                                 "files (unpickling can run arbitrary code): save the adapter once with PEFT's "
+                                 "save_pretrained(..., safe_serialization=True)")
+            raise ValueError(f"{where}: no {WEIGHTS_FILE} (the adapter's weights) in the directory")
+        fd, st = opened
+        header = files.read_safetensors_header(fd, st.st_size, file, where, *header_bounds(config))
+        info, modules = _check_header(header.entries, settings, config, max_rank, str(path), where)
+        tensors = _read_tensors(fd, header, file, where) if read_values else {}
+    return info, modules, tensors
 
+
+def _check_header(header: dict[str, HeaderEntry], settings: _Settings, config: ModelConfig, max_rank: int,
+                  path: str, where: str) -> tuple[AdapterInfo, list[_Module]]:
+    """The adapter's modules from its tensors' names, dtypes and shapes, against the model."""
     cuts = _cuts(config, 0, 1)
     found: dict[tuple[int, str], dict[str, str]] = {}
-    for name, (dtype, shape) in header.items():
+    for name, entry in header.items():
         match = _TENSOR_NAME.fullmatch(name)
         if match is None or match[3] not in PROJECTION_PARENT or match[2] != PROJECTION_PARENT[match[3]]:
             raise ValueError(f"{where}: {_unexpected_tensor(name)}")
@@ -192,8 +247,8 @@ def _inspect(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[Adap
         if layer >= config.num_layers:
             raise ValueError(f"{where}: tensor {name!r} is for layer {layer}, but the model has {config.num_layers} "
                              f"layers (0 to {config.num_layers - 1}): the adapter was trained for another model")
-        if dtype not in _DTYPE_BYTES:
-            raise ValueError(f"{where}: tensor {name!r} is stored as {dtype}; LoRA weights must be float16, "
+        if entry.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"{where}: tensor {name!r} is stored as {entry.dtype}; LoRA weights must be float16, "
                              "bfloat16, float32 or float64")
         found.setdefault((layer, projection), {})[kind] = name
     if not found:
@@ -207,11 +262,11 @@ def _inspect(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[Adap
                                  "projection needs both lora_A and lora_B")
         # the name PEFT matches patterns on
         key = f"model.layers.{layer}.{PROJECTION_PARENT[projection]}.{projection}"
-        r = settings.rank_pattern.get(_pattern_key(settings.rank_pattern, key), settings.r)
-        alpha = settings.alpha_pattern.get(_pattern_key(settings.alpha_pattern, key), settings.lora_alpha)
+        r = _first_match(settings.rank_pattern, key, settings.r)
+        alpha = _first_match(settings.alpha_pattern, key, settings.lora_alpha)
         out_features, in_features = cuts[projection].shape
         for kind, expected in (("A", (r, in_features)), ("B", (out_features, r))):
-            shape = header[names[kind]][1]
+            shape = header[names[kind]].shape
             if shape != expected:
                 raise ValueError(f"{where}: tensor {names[kind]!r} has shape {list(shape)}, but the model's "
                                  f"{projection} ({in_features} in, {out_features} out) at rank {r} needs "
@@ -225,33 +280,58 @@ def _inspect(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[Adap
         raise ValueError(f"{where}: its rank {rank} is above max_lora_rank={max_rank}; raise the max_lora_rank "
                          f"setting to at least {rank} to serve it")
     targeted = {m.projection for m in modules}
-    nbytes = sum(math.prod(shape) * _DTYPE_BYTES[dtype] for dtype, shape in header.values())
-    info = AdapterInfo(str(path), rank, settings.lora_alpha, settings.use_rslora,
+    nbytes = sum(entry.end - entry.start for entry in header.values())
+    info = AdapterInfo(path, rank, settings.lora_alpha, settings.use_rslora,
                        tuple(p for p in PROJECTIONS if p in targeted), tuple(sorted({m.layer for m in modules})),
                        nbytes)
-    return info, modules, file
+    return info, modules
+
+
+def _read_tensors(fd: int, header: files.SafetensorsHeader, file: Path, where: str) -> dict[str, Tensor]:
+    """The stored tensors, views of one read of the file's data (its size: what the checked shapes
+    take, so bounded by the model and max_lora_rank)."""
+    data = files.read_exactly(fd, header.data_start, header.data_size, file, where)
+    tensors = {}
+    for name, entry in header.entries.items():
+        dtype, itemsize = _TORCH_DTYPES[entry.dtype], _DTYPE_BYTES[entry.dtype]
+        source, offset = data, entry.start
+        if offset % itemsize:  # a misaligned tensor is copied out (a view must be aligned to its element)
+            source, offset = bytearray(data[entry.start:entry.end]), 0
+        tensors[name] = torch.frombuffer(source, dtype=dtype, count=math.prod(entry.shape),
+                                         offset=offset).reshape(entry.shape)
+    return tensors
+
+
+def _exists(file: Path) -> bool:
+    try:
+        os.stat(file)
+    except OSError:
+        return False
+    return True
 
 
 class _Settings(NamedTuple):
     r: int
     lora_alpha: float
     use_rslora: bool
-    rank_pattern: dict[str, int]
-    alpha_pattern: dict[str, float]
+    rank_pattern: dict[re.Pattern, int]  # by each key compiled (`patterns.suffix_matcher`), in the config's order
+    alpha_pattern: dict[re.Pattern, float]
 
 
-def _read_settings(directory: Path, where: str) -> _Settings:
+def _read_settings(directory: Path, where: str, num_layers: int) -> _Settings:
     """adapter_config.json's settings that decide the adapter's outputs; ValueError for one that
-    asks for something other than plain LoRA on the seven projections."""
+    asks for something other than plain LoRA on the seven projections. Its patterns are bounded
+    in number (by the model's `num_layers`) and in the work each takes to match."""
+    max_patterns = _TENSORS_HEADROOM * len(PROJECTIONS) * num_layers + _TENSORS_SLACK
     file = directory / CONFIG_FILE
-    if not file.is_file():
-        raise ValueError(f"{where}: no {CONFIG_FILE}; an adapter directory is what PEFT's save_pretrained writes")
-    try:
-        config = read_json_object(file)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
+    with files.open_regular(file, where) as opened:
+        if opened is None:
+            raise ValueError(f"{where}: no {CONFIG_FILE}; an adapter directory is what PEFT's save_pretrained writes")
+        bound = f"{MAX_CONFIG_BYTES >> 20} MiB, the bound on an adapter's config; PEFT writes a few KiB"
+        data = files.read_at_most(opened[0], MAX_CONFIG_BYTES, file, where, bound)
+    config = files.parse_json_object(data, f"{where}: {CONFIG_FILE}")
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"{where}: peft_type is {config.get('peft_type')!r}; only LoRA adapters (peft_type "
+        raise ValueError(f"{where}: peft_type is {_short(config.get('peft_type'))}; only LoRA adapters (peft_type "
                          "'LORA') are served")
     problems = _refusals(config)
     if problems:
@@ -259,21 +339,24 @@ def _read_settings(directory: Path, where: str) -> _Settings:
     r = config.get("r", _DEFAULT_R)
     alpha = config.get("lora_alpha", _DEFAULT_ALPHA)
     if not _positive_int(r):
-        raise ValueError(f"{where}: r must be a positive integer, got {r!r}")
+        raise ValueError(f"{where}: r must be a positive integer, got {_short(r)}")
     if not _number(alpha):
-        raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+        raise ValueError(f"{where}: lora_alpha must be a number, got {_short(alpha)}")
     patterns = []
     for key, check, what in (("rank_pattern", _positive_int, "positive integers"),
                              ("alpha_pattern", _number, "numbers")):
         pattern = config.get(key) or {}
         if not isinstance(pattern, dict) or not all(check(v) for v in pattern.values()):
-            raise ValueError(f"{where}: {key} must map module names to {what}, got {pattern!r}")
+            raise ValueError(f"{where}: {key} must map module names to {what}, got {_short(pattern)}")
+        if len(pattern) > max_patterns:
+            raise ValueError(f"{where}: {key} has {len(pattern):,} keys, above the bound of {max_patterns:,} for "
+                             f"this model ({len(PROJECTIONS)} projections in each of its {num_layers} layers, with "
+                             "headroom)")
         for k in pattern:
-            try:
-                re.compile(k)
-            except re.error as e:
-                raise ValueError(f"{where}: {key} key {k!r} is not a valid regular expression: {e}") from e
-        patterns.append(pattern)
+            problem = pattern_problem(k, suffix=True)
+            if problem is not None:
+                raise ValueError(f"{where}: {key} key {_short(k)} {problem}")
+        patterns.append({suffix_matcher(k): v for k, v in pattern.items()})
     return _Settings(r, alpha, bool(config.get("use_rslora", False)), *patterns)
 
 
@@ -291,19 +374,26 @@ def _refusals(config: dict[str, Any]) -> list[str]:
     targets = config.get("target_modules")
     if isinstance(targets, str):
         if targets.lower() != "all-linear":  # PEFT's shorthand leaves out the output layer
-            try:
+            problem = pattern_problem(targets, suffix=False)
+            if problem is not None:
+                problems.append(f"target_modules {_short(targets)} {problem}")
+            else:
                 outside = [m for m in ("model.embed_tokens", "lm_head") if re.fullmatch(targets, m)]
-            except re.error as e:
-                outside = [f"(an invalid regular expression: {e})"]
-            if outside:
-                problems.append(f"target_modules {targets!r} matches {', '.join(outside)}; {_only_projections()}")
-    elif targets is not None:
+                if outside:
+                    problems.append(f"target_modules {targets!r} matches {', '.join(outside)}; {_only_projections()}")
+    elif isinstance(targets, list):
         others = [t for t in targets if not (isinstance(t, str) and t.rpartition(".")[2] in PROJECTIONS)]
         if others:
-            problems.append(f"target_modules names {', '.join(map(repr, others))}; {_only_projections()}")
-    if config.get("modules_to_save"):
-        problems.append(f"modules_to_save ({', '.join(map(str, config['modules_to_save']))}) carries fully trained "
-                        f"copies of modules; {_only_projections()}")
+            named = _short(", ".join(map(repr, others)), quote=False)
+            problems.append(f"target_modules names {named}; {_only_projections()}")
+    elif targets is not None:
+        problems.append(f"target_modules must be a list of module names or one regular expression, got "
+                        f"{_short(targets)}")
+    saved = config.get("modules_to_save")
+    if saved:
+        listed = ", ".join(map(str, saved)) if isinstance(saved, list) else str(saved)
+        problems.append(f"modules_to_save ({_short(listed, quote=False)}) carries fully trained copies of modules; "
+                        f"{_only_projections()}")
     if config.get("trainable_token_indices"):
         problems.append(f"trainable_token_indices trains embeddings of chosen tokens; {_only_projections()}")
     if config.get("target_parameters"):
@@ -312,7 +402,7 @@ def _refusals(config: dict[str, Any]) -> list[str]:
         problems.append("use_dora: DoRA adapters are not served (their magnitude vectors rescale the base weights); "
                         "merge it into the model with PEFT's merge_and_unload, or train a plain LoRA")
     if config.get("bias", "none") != "none":
-        problems.append(f"bias={config['bias']!r}: the adapter carries trained biases, which are not served; "
+        problems.append(f"bias={_short(config['bias'])}: the adapter carries trained biases, which are not served; "
                         "train with bias='none', or merge it into the model with PEFT's merge_and_unload")
     if config.get("lora_bias"):
         problems.append("lora_bias: LoRA B with a bias is not served; train with lora_bias=False, or merge it into "
@@ -324,7 +414,7 @@ def _refusals(config: dict[str, Any]) -> list[str]:
         problems.append("layer_replication stacks copies of layers, which the served model does not have")
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
-        problems.append(f"init_lora_weights={init!r} trains against base weights PEFT changed at "
+        problems.append(f"init_lora_weights={_short(init)} trains against base weights PEFT changed at "
                         f"initialisation, which the served model does not have; {_CONVERT}")
     problems += [f"{key} is set: a LoRA variant that is not served; train a plain LoRA" for key in _VARIANTS
                  if config.get(key)]
@@ -353,23 +443,10 @@ def _unexpected_tensor(name: str) -> str:
     return f"{what} as PEFT names them (base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight)"
 
 
-def _read_header(file: Path, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Each tensor's (dtype, shape) from the safetensors header; no tensor is read."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as st:
-            return {name: (st.get_slice(name).get_dtype(), tuple(st.get_slice(name).get_shape()))
-                    for name in st.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    except SafetensorError as e:  # truncated or garbage: the library's message names no file
-        raise ValueError(f"{where}: {file.name} is not a valid safetensors file: {e}") from e
-
-
-def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
-    """The first pattern (in the config's order) that matches a module name as PEFT matches
-    rank_pattern and alpha_pattern (its get_pattern_key): the pattern is a suffix of the name
-    that starts after a dot, as a regular expression."""
-    return next((p for p in patterns if re.match(rf"(.*\.)?({p})$", key)), None)
+def _first_match(patterns: dict[re.Pattern, Any], key: str, default: Any) -> Any:
+    """The value of the first pattern (in the config's order) that matches a module name as PEFT
+    matches rank_pattern and alpha_pattern (its get_pattern_key), else `default`."""
+    return next((value for matcher, value in patterns.items() if suffix_matches(matcher, key)), default)
 
 
 @functools.lru_cache(maxsize=32)
@@ -384,6 +461,12 @@ def _cuts(config: ModelConfig, rank: int, size: int) -> dict[str, _Cut]:
         length = t.rows if t.source_dim == 0 else t.param.shape[t.source_dim]
         cuts[projection] = _Cut(t.expected_shape(), t.source_dim, t.source_start, length)
     return cuts
+
+
+def _short(value: Any, quote: bool = True) -> str:
+    """A config's value as a message shows it: its repr, cut short past a few hundred characters."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= 200 else f"{text[:160]}... ({len(text):,} characters)"
 
 
 def _positive_int(value: Any) -> bool:

@@ -2,13 +2,19 @@
 `model` picks the base model or an adapter, whose greedy answers equal the offline engine's under
 the same adapter; an unknown model is OpenAI's 404; /v1/models lists the adapters with their parent;
 adapters load and unload at runtime (behind a flag) without disturbing the requests that stream
-meanwhile; a bad adapter is a 400 saying why at runtime, and stops the server at start."""
+meanwhile; a bad adapter is a 400 saying why at runtime, and stops the server at start: files above
+their bounds, special files, paths the system refuses and values that are not finite among them,
+each refused at once while a neighbour streams on."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import os
 import re
+import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -19,6 +25,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+from safetensors.torch import load_file, save_file
 from server_harness import Server, serve
 
 from pagedserve.config import EngineConfig
@@ -28,6 +35,8 @@ from pagedserve.entrypoints.cli import build_parser, server_kwargs
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_module
+from pagedserve.lora import manager as lora_manager
+from pagedserve.lora.files import shown
 from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from tests.lora.lora_fixtures import make_peft_adapter
@@ -247,6 +256,219 @@ def test_a_bad_load_is_a_400_saying_why(lora_server, adapters, tmp_path):
     assert [m.id for m in lora_server.client().models.list().data] == [MODEL, "alpha", "beta"]  # nothing changed
 
 
+WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
+Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def poison(value: float):
+    """A damage: one of q_proj's lora_B values set to `value`."""
+    def damage(path: Path) -> None:
+        tensors = load_file(path / WEIGHTS)
+        tensors[Q_B][0, 0] = value
+        save_file(tensors, path / WEIGHTS, metadata={"format": "pt"})
+    return damage
+
+
+def replace_file(name: str, make):
+    """A damage: the adapter's file `name` made anew by make(its path)."""
+    def damage(path: Path) -> None:
+        (path / name).unlink()
+        make(path / name)
+    return damage
+
+
+def edit_config(**settings):
+    """A damage: the adapter's config with `settings` in it."""
+    def damage(path: Path) -> None:
+        config = path / CONFIG
+        config.write_text(json.dumps({**json.loads(config.read_text()), **settings}))
+    return damage
+
+
+def long_header(file: Path) -> None:
+    file.write_bytes(struct.pack("<Q", 52_000_000))  # a header of 52 MB
+    os.truncate(file, 8 + 52_000_000)  # (sparse: as long as it claims, made at once)
+
+
+def many_tensors(file: Path) -> None:
+    header = {f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i in range(5000)}
+    raw = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4 * 5000))
+
+
+@pytest.fixture(scope="module")
+def bad_adapters(adapters, tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """name -> (a bad lora_path, a pattern its refusal matches): copies of alpha with one thing
+    wrong, and paths the system refuses."""
+    root = tmp_path_factory.mktemp("bad-adapters")
+    damages = {
+        "config-2GiB": (lambda path: os.truncate(path / CONFIG, 2 << 30),
+                        r"adapter_config\.json is 2,147,483,648 bytes, above the bound of 1,048,576 bytes"),
+        "header-52MB": (replace_file(WEIGHTS, long_header),
+                        r"adapter_model\.safetensors's header is 52,000,000 bytes, above the bound of [\d,]+ bytes"),
+        "5000-tensors": (replace_file(WEIGHTS, many_tensors), r"holds 5,000 tensors, above the bound of 368"),
+        "weights-environ": (replace_file(WEIGHTS, lambda file: file.symlink_to("/proc/self/environ")),
+                            r"adapter_model\.safetensors is not a valid safetensors file: it is 0 bytes long"),
+        "config-mem": (replace_file(CONFIG, lambda file: file.symlink_to("/proc/self/mem")),
+                       r"cannot read adapter_config\.json: Input/output error \(EIO\)"),
+        "weights-fifo": (replace_file(WEIGHTS, os.mkfifo), r"adapter_model\.safetensors is a named pipe \(FIFO\)"),
+        "config-fifo": (replace_file(CONFIG, os.mkfifo), r"adapter_config\.json is a named pipe \(FIFO\)"),
+        "costly-pattern": (edit_config(rank_pattern={"(.*)*(.*)*(.*)*z": 4}),  # `re` would take for ever
+                           r"rank_pattern key '\(\.\*\)\*\(\.\*\)\*\(\.\*\)\*z' is a regular expression too costly"),
+        "flag-pattern": (edit_config(rank_pattern={"(?i)q_proj": 4}), r"global flags not at the start"),
+        "target-number": (edit_config(target_modules=5), r"target_modules must be a list of module names or one"),
+        "nan": (poison(float("nan")), rf"tensor '{Q_B}' holds values that are not finite \(NaN or infinity\)"),
+        "inf": (poison(float("-inf")), rf"tensor '{Q_B}' holds values that are not finite \(NaN or infinity\)"),
+    }
+    made = {}
+    for name, (damage, pattern) in damages.items():
+        shutil.copytree(adapters["alpha"], root / name)
+        damage(root / name)
+        made[name] = (str(root / name), pattern)
+    made["5000-characters"] = (str(root / ("a" * 5000)), r"cannot be opened: File name too long \(ENAMETOOLONG\)")
+    made["through-a-file"] = (str(root / "nan" / CONFIG / "adapter"),
+                              r"does not exist \(a part of the path is not a directory\)")
+    return made
+
+
+def assert_names_the_path_and_why(message: str, path: str, pattern: str) -> None:
+    assert message.startswith(f"LoRA adapter {shown(path)}: ") and re.search(pattern, message), message
+    assert len(message) < 1000  # a long path is shortened, not quoted whole
+
+
+def test_bad_adapter_files_and_paths_are_400s_naming_them(lora_server, bad_adapters):
+    for name, (path, pattern) in bad_adapters.items():
+        r = post(lora_server, "load_lora_adapter", lora_name=name, lora_path=path)
+        assert r.status_code == 400, (name, r.text)
+        error = r.json()["error"]
+        assert (error["param"], error["type"]) == ("lora_path", "invalid_request_error"), name
+        assert_names_the_path_and_why(error["message"], path, pattern)
+    assert [m.id for m in lora_server.client().models.list().data] == [MODEL, "alpha", "beta"]
+    assert httpx.get(f"{lora_server.url}/health").json() == {"status": "ok"}
+
+
+def test_an_adapter_replaced_after_its_load_is_refused_when_the_core_reads_it(lora_server, adapters, tmp_path):
+    """The API process checks every value at the load, then drops them; the core reads the adapter
+    for itself when a request first needs it, with the same checks, so a file replaced in between
+    serves nothing."""
+    path = shutil.copytree(adapters["alpha"], tmp_path / "swapped")
+    assert post(lora_server, "load_lora_adapter", lora_name="swapped", lora_path=str(path)).status_code == 200
+    poison(float("nan"))(path)
+    r = post(lora_server, "completions", model="swapped", prompt=PROMPT, max_tokens=4)
+    assert r.status_code == 400 and f"tensor '{Q_B}' holds values that are not finite" in r.json()["error"]["message"]
+    assert post(lora_server, "unload_lora_adapter", lora_name="swapped").status_code == 200
+
+
+def test_a_load_touches_the_adapters_files_only_off_the_event_loop(lora_server, adapters, tmp_path, monkeypatch):
+    """Every stat, open and path resolution of the adapter, at its load and at a request under it,
+    runs on a thread without an event loop (the route's executor, the core's thread)."""
+    path = str(shutil.copytree(adapters["gamma"], tmp_path / "watched"))
+    calls = []
+
+    def watched(fn):
+        def call(target, *args, **kwargs):
+            if str(target).startswith(path):
+                try:
+                    asyncio.get_running_loop()
+                    calls.append((fn.__name__, "on the event loop"))
+                except RuntimeError:
+                    calls.append((fn.__name__, "off it"))
+            return fn(target, *args, **kwargs)
+        return call
+
+    for name in ("stat", "open"):
+        monkeypatch.setattr(os, name, watched(getattr(os, name)))
+    monkeypatch.setattr(os.path, "realpath", watched(os.path.realpath))
+    assert post(lora_server, "load_lora_adapter", lora_name="watched", lora_path=path).status_code == 200
+    assert post(lora_server, "completions", model="watched", prompt=PROMPT, max_tokens=2).status_code == 200
+    assert post(lora_server, "unload_lora_adapter", lora_name="watched").status_code == 200
+    assert {"stat", "open", "realpath"} <= {name for name, _ in calls}
+    assert {where for _, where in calls} == {"off it"}
+
+
+@pytest.fixture(scope="module")
+def crowded_adapter(adapters, tmp_path_factory) -> str:
+    """gamma, in a directory with 100,000 other files."""
+    path = tmp_path_factory.mktemp("crowded") / "gamma"
+    shutil.copytree(adapters["gamma"], path)
+    for i in range(100_000):
+        os.close(os.open(path / f"checkpoint-{i:06d}.json", os.O_CREAT | os.O_WRONLY, 0o644))
+    return str(path)
+
+
+@pytest.mark.timing
+def test_bad_loads_stall_neither_a_neighbour_nor_health(lora_server, bad_adapters, crowded_adapter, offline_lora,
+                                                         adapters):
+    """While a base-model stream runs and /health is polled: every bad load above, then an adapter
+    in a directory of 100,000 files (loaded, and a request served under it: nothing lists the
+    directory). The stream's longest gap between chunks and the slowest /health stay under 1 s."""
+    want = expected(offline_lora, adapters, "gamma").text
+
+    async def neighbour(client, done: asyncio.Event, gaps: list[float]) -> None:
+        while not done.is_set():
+            last = time.monotonic()
+            stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            async for _ in stream:
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+    async def poll_health(http, done: asyncio.Event, waits: list[float]) -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            assert (await http.get("/health")).status_code == 200
+            waits.append(time.monotonic() - start)
+            await asyncio.sleep(0.05)
+
+    async def run():
+        client, done, gaps, waits = lora_server.async_client(), asyncio.Event(), [], []
+        async with httpx.AsyncClient(base_url=lora_server.url, timeout=120) as http:
+            tasks = [asyncio.ensure_future(neighbour(client, done, gaps)),
+                     asyncio.ensure_future(poll_health(http, done, waits))]
+            while not gaps:
+                await asyncio.sleep(0.01)
+            statuses = {}
+            for name, (path, _) in bad_adapters.items():
+                r = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+                statuses[name] = r.status_code
+            r = await http.post("/v1/load_lora_adapter", json={"lora_name": "crowded", "lora_path": crowded_adapter})
+            statuses["crowded"] = r.status_code
+            answer = await client.completions.create(model="crowded", prompt=PROMPT, max_tokens=12, temperature=0)
+            statuses["unload"] = (await http.post("/v1/unload_lora_adapter", json={"lora_name": "crowded"})).status_code
+            done.set()
+            await asyncio.gather(*tasks)
+        return statuses, answer.choices[0].text, gaps, waits
+
+    statuses, text, gaps, waits = asyncio.run(run())
+    assert statuses == {**dict.fromkeys(bad_adapters, 400), "crowded": 200, "unload": 200}
+    assert text == want
+    assert max(gaps) < 1.0, f"the neighbour's longest gap: {max(gaps):.2f} s"
+    assert max(waits) < 1.0, f"the slowest /health: {max(waits):.2f} s"
+
+
+def test_offline_add_lora_refuses_them_too_and_reads_an_adapter_once(offline_lora, bad_adapters, adapters, tmp_path,
+                                                                     monkeypatch):
+    for i, (name, (path, pattern)) in enumerate(bad_adapters.items()):
+        with pytest.raises(ValueError) as e:
+            offline_lora.add_lora(LoRARequest(name, 500 + i, path))
+        assert_names_the_path_and_why(str(e.value), path, pattern)
+    with pytest.raises(ValueError, match="not finite"):  # before any prompt is queued
+        offline_lora.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False,
+                              lora_request=LoRARequest("nan", 600, bad_adapters["nan"][0]))
+
+    want = expected(offline_lora, adapters, "gamma").text
+    reads = []
+    load = lora_manager.load_adapter
+    monkeypatch.setattr(lora_manager, "load_adapter", lambda path, *args: reads.append(path) or load(path, *args))
+    gamma = LoRARequest("gamma-copy", 700, str(shutil.copytree(adapters["gamma"], tmp_path / "gamma")))
+    assert offline_lora.add_lora(gamma) and reads == [gamma.lora_path]
+    got = offline_lora.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False,
+                                lora_request=gamma)
+    assert got[0].outputs[0].text == want and reads == [gamma.lora_path]  # the weights add_lora read
+    offline_lora.remove_lora(700)
+
+
 def test_without_the_flag_the_routes_do_not_exist(lora_server, adapters):
     models = OpenAIServingModels(lora_server.async_engine, MODEL, [LoRAModulePath("alpha", adapters["alpha"])])
     with serve(build_app(lora_server.async_engine, models)) as url:
@@ -278,7 +500,7 @@ def test_lora_modules_take_vllms_two_forms():
             server_kwargs(build_parser().parse_args(["serve", *flags]))
 
 
-def test_a_bad_adapter_at_start_is_refused_saying_which(lora_server, adapters, tmp_path):
+def test_a_bad_adapter_at_start_is_refused_saying_which(lora_server, adapters, bad_adapters, tmp_path):
     engine = lora_server.async_engine
 
     def refused(*modules: LoRAModulePath) -> str:
@@ -288,6 +510,10 @@ def test_a_bad_adapter_at_start_is_refused_saying_which(lora_server, adapters, t
 
     assert refused(LoRAModulePath("a", str(tmp_path / "missing"))).startswith("--lora-modules a: ")
     assert "max_lora_rank" in refused(LoRAModulePath("w", adapters["wide"]))
+    for name in ("nan", "config-2GiB", "weights-fifo"):
+        path, pattern = bad_adapters[name]
+        message = refused(LoRAModulePath(name, path))
+        assert message.startswith(f"--lora-modules {name}: LoRA adapter {path}: ") and re.search(pattern, message)
     twice = refused(LoRAModulePath("a", adapters["alpha"]), LoRAModulePath("a", adapters["beta"]))
     assert twice == "--lora-modules a: The lora adapter 'a' has already been loaded."
     assert "base model" in refused(LoRAModulePath(MODEL, adapters["alpha"]))
