@@ -5,10 +5,12 @@ neighbour, restarted whenever it ends) and answers a /health probe every `HEALTH
 First alone ("quiet"), then ("loaded") while a second process runs the dashboard's load: `viewers`
 HTTP clients that read /dashboard/events as fast as frames come, `non_readers` connections that ask
 for it with a tiny receive buffer and never read, and `churn` clients that connect, ask, and drop,
-over and over. Reported per phase: the neighbour's gaps between tokens (median, p99, max), /health's
-latency, the CPU the API process used (of one core) and its RSS, and what the load saw: viewers served and refused (503), frames per
-served viewer, non-readers the server dropped, churn cycles. The load runs in its own process so that
-its clients' work is not counted in the neighbour's gaps (it still shares the machine's cores).
+over and over (the viewers first, then the others). Reported per phase: the neighbour's gaps between
+tokens (median, p99, max), /health's latency, the CPU the API process used (of one core) and its RSS,
+and what the load saw: viewers served and refused (503), frames per second per served viewer,
+non-readers the server closed, churn cycles, and how long after the load the server counted no
+viewer (nothing lasting). The load runs in its own process so that its clients' work is not counted
+in the neighbour's gaps (it still shares the machine's cores).
 """
 
 from __future__ import annotations
@@ -73,9 +75,23 @@ def _measure(url: str, pid: int, seconds: float, load: dict | None) -> dict:
     stop.set()
     for t in threads:
         t.join(timeout=60)
+    if load is not None:
+        seen["viewers_after_s"] = _seconds_until_no_viewers(url)
     return {"tokens": len(gaps), **_spread("gap_ms", gaps), **_spread("health_ms", health),
             "api_cpu": used["api"], "core_cpu": used.get("core"), "api_rss_mib": _rss_mib(pid),
             "failures": failures[:5], **seen}
+
+
+def _seconds_until_no_viewers(url: str, timeout: float = 30.0) -> float | None:
+    """Once the load has gone: how long until the server counts no viewer (None: not within `timeout`)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        with contextlib.suppress(httpx.HTTPError):
+            for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+                if line.startswith("pagedserve:dashboard_viewers ") and float(line.split()[1]) == 0:
+                    return time.perf_counter() - start
+        time.sleep(0.2)
+    return None
 
 
 def _spread(name: str, seconds: list[float]) -> dict:
@@ -184,6 +200,7 @@ async def _load(url: str, seconds: float, viewers: int, non_readers: int, churn:
     silent = [_silent_connection(host, int(port), request) for _ in range(non_readers)]
     churned = await asyncio.gather(*(_churner(host, int(port), request, deadline) for _ in range(churn)))
     viewed = await asyncio.gather(*watching)
+    await asyncio.sleep(deadline - time.monotonic())  # the non-readers' whole time, whatever else runs
     served = [frames for status, frames, _ in viewed if status == 200]
     dropped = sum(_was_dropped(s) for s in silent)
     for s in silent:
@@ -276,20 +293,20 @@ def _was_dropped(s: socket.socket) -> bool:
 
 
 def format_table(rows: list[dict]) -> str:
-    def ms(value) -> str:
-        return "-" if value is None else f"{value:.0f}"
+    def ms(r: dict, name: str) -> str:
+        return " / ".join("-" if r[f"{name}_{k}"] is None else f"{r[f'{name}_{k}']:.0f}" for k in ("median", "p99", "max"))
 
-    lines = ["| --dashboard-max-viewers | phase | viewers / non-readers / churn | served / refused | frames/s per viewer "
-             "| non-readers dropped | neighbour gap median / p99 / max (ms) | /health median / p99 / max (ms) "
-             "| API CPU | API RSS (MiB) |", "|---|---|---|---|---:|---:|---|---|---:|---:|"]
+    lines = ["| --dashboard-max-viewers | phase | viewers / non-readers / churn | served / refused "
+             "| frames/s per viewer | non-readers closed | no viewer left after (s) "
+             "| neighbour gap median / p99 / max (ms) | /health median / p99 / max (ms) | API CPU | API RSS (MiB) |",
+             "|---|---|---|---|---:|---:|---:|---|---|---:|---:|"]
     for r in rows:
-        loaded = r["phase"] == "loaded"
-        load = f"{r['viewers']} / {r['non_readers']} / {r['churn']}" if loaded else "-"
-        served = f"{r['served']} / {r['refused']}" if loaded else "-"
-        lines.append(f"| {r['max_viewers']} | {r['phase']} | {load} | {served} | "
-                     f"{r['frames_per_viewer_per_s'] if loaded else 0:.1f} | {r['non_readers_dropped'] if loaded else '-'} | "
-                     f"{ms(r['gap_ms_median'])} / {ms(r['gap_ms_p99'])} / {ms(r['gap_ms_max'])} | "
-                     f"{ms(r['health_ms_median'])} / {ms(r['health_ms_p99'])} / {ms(r['health_ms_max'])} | "
+        if r["phase"] == "loaded":
+            after = "-" if r["viewers_after_s"] is None else f"{r['viewers_after_s']:.1f}"
+            load = (f"{r['viewers']} / {r['non_readers']} / {r['churn']} | {r['served']} / {r['refused']} | "
+                    f"{r['frames_per_viewer_per_s']:.1f} | {r['non_readers_dropped']} | {after}")
+        else:
+            load = "- | - | - | - | -"
+        lines.append(f"| {r['max_viewers']} | {r['phase']} | {load} | {ms(r, 'gap_ms')} | {ms(r, 'health_ms')} | "
                      f"{r['api_cpu']:.0%} | {r['api_rss_mib']:.0f} |")
     return "\n".join(lines)
-

@@ -67,21 +67,25 @@ class ConnectionWrites:
     def limit_kernel_queue(self, nbytes: int) -> None:
         """Let the kernel hold only about `nbytes` not yet sent (TCP_NOTSENT_LOWAT), so that a client
         that stops reading shows in `unsent()` after that much, not after the megabytes a socket's
-        buffer can grow to. Nothing where the OS lacks the option."""
-        sock = self._transport.get_extra_info("socket")
+        buffer can grow to. Nothing where the OS lacks the option, or once the connection is gone."""
         option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-        if sock is not None and option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, option, nbytes)
+        if option is not None:
+            self._set_option(socket.IPPROTO_TCP, option, nbytes)
 
     def drop(self) -> None:
         """Close the connection now and discard what is unsent, the kernel's queue too (a reset: a
         graceful close would wait for a client that does not read)."""
-        sock = self._transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._set_option(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self._transport.abort()
+
+    def _set_option(self, level: int, option: int, value: int | bytes) -> None:
+        if self._transport.is_closing():
+            return
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # ValueError: uvloop's stand-in for a socket whose connection has just closed
+            with contextlib.suppress(OSError, ValueError):
+                sock.setsockopt(level, option, value)
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):

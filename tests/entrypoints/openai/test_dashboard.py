@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import signal
 import socket
 import threading
@@ -302,6 +303,35 @@ def test_each_view_is_serialized_once_however_many_viewers_read_it(small_server,
     last_frames = [v.data.rsplit(b"\ndata: ", 1)[1].split(b"\n\n", 1)[0] for v in viewers]
     assert len(last_frames[0]) > 100 and len(set(last_frames)) <= 3
     assert_all_free(small_server.wait_idle())
+
+
+def test_viewers_that_connect_and_drop_at_once_cost_nothing_lasting(small_server, two_viewer_server):
+    url = two_viewer_server
+    host, port = url.removeprefix("http://").split(":")
+    errors = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    server_log = logging.getLogger("uvicorn.error")
+    server_log.addHandler(handler)
+    traffic = Traffic(small_server)
+    try:
+        for k in range(60):
+            with socket.create_connection((host, int(port)), timeout=30) as s:
+                s.sendall(f"GET /dashboard/events HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+                if k % 2:
+                    s.recv(64)  # half of them leave once the response has begun
+        wait_until(lambda: read_metrics(url)["pagedserve:dashboard_viewers"] == 0, "every place freed")
+        viewers = [RawViewer(url), RawViewer(url)]  # the limit's two places are free again
+        try:
+            assert [v.status for v in viewers] == [200, 200]
+            wait_until(lambda: min(v.frames() for v in viewers) >= 1, "frames for the new viewers")
+        finally:
+            for v in viewers:
+                v.close()
+    finally:
+        traffic.stop()
+        server_log.removeHandler(handler)
+    assert not errors, [e.getMessage() for e in errors]
 
 
 def test_the_drain_ends_every_stream_and_frees_its_place(small_server):
