@@ -53,7 +53,7 @@ def run_dashboard_bench(viewers: int = 1000, non_readers: int = 300, churn: int 
 def _measure(url: str, pid: int, seconds: float, load: dict | None) -> dict:
     """The neighbour's gaps and /health's latencies over `seconds` (with `load` running, if given)."""
     stop = threading.Event()
-    gaps: list[float] = []
+    gaps: list[tuple[float, float]] = []  # (time of the token, seconds since the one before)
     health: list[float] = []
     failures: list[str] = []
     threads = [threading.Thread(target=_neighbour, args=(url, stop, gaps, failures), daemon=True),
@@ -77,7 +77,11 @@ def _measure(url: str, pid: int, seconds: float, load: dict | None) -> dict:
         t.join(timeout=60)
     if load is not None:
         seen["viewers_after_s"] = _seconds_until_no_viewers(url)
-    return {"tokens": len(gaps), **_spread("gap_ms", gaps), **_spread("health_ms", health),
+    longest = max(gaps, key=lambda g: g[1], default=(0.0, 0.0))
+    began = seen.pop("load_began", None)
+    return {"tokens": len(gaps), **_spread("gap_ms", [g for _, g in gaps]), **_spread("health_ms", health),
+            # when the longest gap began, from the load's first connection
+            "gap_max_after_load_s": None if began is None else longest[0] - longest[1] - began,
             "api_cpu": used["api"], "core_cpu": used.get("core"), "api_rss_mib": _rss_mib(pid),
             "failures": failures[:5], **seen}
 
@@ -126,7 +130,7 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
-def _neighbour(url: str, stop: threading.Event, gaps: list[float], failures: list[str]) -> None:
+def _neighbour(url: str, stop: threading.Event, gaps: list[tuple[float, float]], failures: list[str]) -> None:
     """Streams completions one after another until `stop`, noting the time between tokens."""
     body = {"model": "dashboard-bench", "prompt": "Count slowly from one to a thousand:", "max_tokens": 4000,
             "stream": True, "ignore_eos": True}
@@ -142,9 +146,9 @@ def _neighbour(url: str, stop: threading.Event, gaps: list[float], failures: lis
                     for line in response.iter_lines():
                         if not line.startswith("data: {"):
                             continue
-                        now = time.perf_counter()
+                        now = time.monotonic()  # the load process's clock too
                         if last is not None:
-                            gaps.append(now - last)
+                            gaps.append((now, now - last))
                         last = now
                         if stop.is_set():
                             return
@@ -192,7 +196,8 @@ def _load_process(url: str, seconds: float, viewers: int, non_readers: int, chur
 async def _load(url: str, seconds: float, viewers: int, non_readers: int, churn: int) -> dict:
     host, port = url.removeprefix("http://").split(":")
     request = (f"GET /dashboard/events HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/event-stream\r\n\r\n").encode()
-    deadline = time.monotonic() + seconds
+    began = time.monotonic()
+    deadline = began + seconds
     answered = asyncio.Semaphore(0)  # one release per viewer that has its status line
     watching = [asyncio.create_task(_viewer(host, int(port), request, deadline, answered)) for _ in range(viewers)]
     with contextlib.suppress(asyncio.TimeoutError):  # the viewers are in (or refused) before the attackers come
@@ -210,7 +215,7 @@ async def _load(url: str, seconds: float, viewers: int, non_readers: int, churn:
             "cut_early": sum(cut for status, _, cut in viewed if status == 200),
             "frames_per_viewer": statistics.median(served) if served else 0,
             "frames_per_viewer_per_s": (statistics.median(served) if served else 0) / seconds,
-            "non_readers_dropped": dropped, "churn_cycles": sum(churned)}
+            "non_readers_dropped": dropped, "churn_cycles": sum(churned), "load_began": began}
 
 
 async def _acquire(semaphore: asyncio.Semaphore, times: int) -> None:
@@ -294,7 +299,8 @@ def _was_dropped(s: socket.socket) -> bool:
 
 def format_table(rows: list[dict]) -> str:
     def ms(r: dict, name: str) -> str:
-        return " / ".join("-" if r[f"{name}_{k}"] is None else f"{r[f'{name}_{k}']:.0f}" for k in ("median", "p99", "max"))
+        values = (r[f"{name}_{k}"] for k in ("median", "p99", "max"))
+        return " / ".join("-" if v is None else f"{v:.0f}" for v in values)
 
     lines = ["| --dashboard-max-viewers | phase | viewers / non-readers / churn | served / refused "
              "| frames/s per viewer | non-readers closed | no viewer left after (s) "

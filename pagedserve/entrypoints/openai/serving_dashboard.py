@@ -239,5 +239,6 @@ class _DashboardCollector(Collector):
                                   "/dashboard/events streams refused (503): --dashboard-max-viewers were open.",
                                   value=s.refused)
         yield CounterMetricFamily("pagedserve:dashboard_viewers_dropped",
-                                  f"/dashboard/events streams dropped: their socket took nothing for {STALL_SECONDS:g} s.",
+                                  "/dashboard/events streams dropped: their socket took nothing for "
+                                  f"{STALL_SECONDS:g} s.",
                                   value=s.dropped)

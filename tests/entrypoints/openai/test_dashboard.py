@@ -284,7 +284,8 @@ def test_a_viewer_that_does_not_read_is_dropped_and_one_that_reads_is_not(small_
 def test_each_view_is_serialized_once_however_many_viewers_read_it(small_server, monkeypatch):
     builds = []
     shared_frame = live._shared_frame
-    monkeypatch.setattr(live, "_shared_frame", lambda snapshot: builds.append(snapshot.version) or shared_frame(snapshot))
+    monkeypatch.setattr(live, "_shared_frame",
+                        lambda snapshot: builds.append(snapshot.version) or shared_frame(snapshot))
     watch = small_server.async_engine.kv_watch
     viewers = [RawViewer(small_server.url) for _ in range(30)]
     traffic = Traffic(small_server)
