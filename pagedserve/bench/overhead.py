@@ -182,7 +182,6 @@ class ZmqLoopback:
         self._view_seconds = 0.0
         self.last_stats: CoreStats | None = None
         self.watch = KVWatch()  # the front's copy of the pool, as AsyncLLM keeps it
-        self._since = 0
 
     def wrap(self, core):
         step = core.step
@@ -196,9 +195,9 @@ class ZmqLoopback:
             self._push.send(self._encoder.encode(EngineCoreOutputs(outputs, stats, view)))
             message = self._decoder.decode(self._pull.recv())
             sent = time.perf_counter()
-            if message.kv_view is not None:  # the server's frame stream reads one per view at most
+            if message.kv_view is not None:  # the server builds one frame per view at most
                 self.watch.apply(message.kv_view, message.stats, 0)
-                _, self._since = self.watch.frame(self._since)
+                self.watch.encoded()
             self._seconds += sent - viewed
             self._view_seconds += (viewed - start) + (time.perf_counter() - sent)
             self.last_stats = message.stats

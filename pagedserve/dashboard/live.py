@@ -2,15 +2,18 @@
 
 The core sends every block's state once when a watch starts and then only the blocks that changed
 (core/kv_view.py); this keeps the whole pool as two byte arrays and turns it into a frame (the JSON
-the page renders; docs/architecture.md describes it) on request. A large pool is drawn as at most
-`MAX_CELLS` cells of several blocks each, each cell in the state most of its blocks are in.
+the page renders; docs/architecture.md describes it) on request, once per view however many streams
+send it (`EncodedFrame`). A large pool is drawn as at most `MAX_CELLS` cells of several blocks each,
+each cell in the state most of its blocks are in.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import NamedTuple
 
+import msgspec
 import numpy as np
 
 from pagedserve.core.kv_view import CACHED, FREE, SHARED, USED, KVView
@@ -21,13 +24,49 @@ MAX_EVENTS = 200  # sent in one frame (the newest)
 SERIES_POINTS = 240  # one a view: a minute at four views a second
 STATE_NAMES = {FREE: "free", USED: "used", SHARED: "shared", CACHED: "cached"}
 SERIES = ("t", "usage", "waste", "prefix_hit_rate", "running", "waiting", "tokens_per_s")
+_encode = msgspec.json.Encoder().encode  # NaN and infinity as null: the page's JSON.parse takes nothing else
+
+
+class EncodedFrame:
+    """One view's frame as JSON, serialized once and shared by every stream: all of it but the events
+    (`head`, the object without its closing brace) and each event on its own, so that a stream's
+    message is these bytes joined (`json`), whatever events it has still to send."""
+
+    __slots__ = ("version", "head", "events", "first_seq", "next_seq")
+
+    def __init__(self, version: int, head: bytes, events: list[bytes], first_seq: int) -> None:
+        self.version = version  # the views applied when it was built
+        self.head = head
+        self.events = events  # oldest first, numbered first_seq, first_seq + 1, ...
+        self.first_seq = first_seq
+        self.next_seq = first_seq + len(events)  # the seq to ask from next time
+
+    def json(self, since_seq: int = 0) -> bytes:
+        """The frame, with the events numbered `since_seq` and later (those it still holds)."""
+        start = min(max(0, since_seq - self.first_seq), len(self.events))
+        return b"".join((self.head, b',"events":[', b",".join(self.events[start:]), b"]}"))
+
+
+class _Snapshot(NamedTuple):
+    """What a frame is built from, copied under the lock so that the build does not hold it."""
+    version: int
+    states: np.ndarray
+    refs: np.ndarray
+    block_size: int
+    view: KVView
+    core: CoreStats
+    series: list[tuple]
+    events: list[dict]
+    next_seq: int
 
 
 class KVWatch:
-    """Thread-safe: views arrive on the core client's thread, frames are read on the event loop."""
+    """Thread-safe: views arrive on the core client's thread, frames are built on whichever thread asks
+    (the server's: a worker thread, off the event loop)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the copy of the pool; held briefly by apply() and snapshots
+        self._build_lock = threading.Lock()  # one build at a time, so that each view is built once
         self.version = 0  # views applied so far
         self._origin: float | None = None  # the first view's time: frames count from it
         self._states = np.zeros(0, np.uint8)
@@ -39,7 +78,7 @@ class KVWatch:
         self._num_events = 0  # the seq of the next event
         self._series: deque[tuple] = deque(maxlen=SERIES_POINTS)
         self._tokens: tuple[float, int] | None = None  # (time, generated tokens) at the last view
-        self._frame: tuple[int, dict] | None = None  # (version, frame without its events): viewers share it
+        self._encoded: EncodedFrame | None = None  # the latest view's, once built
 
     def apply(self, view: KVView, core: CoreStats, generated_tokens: int) -> None:
         """Take one view, with the core's figures sent beside it and the tokens generated so far."""
@@ -68,42 +107,58 @@ class KVWatch:
                                  core.num_running, core.num_waiting, max(rate, 0.0)))
             self.version += 1
 
-    def frame(self, since_seq: int = 0) -> tuple[dict | None, int]:
-        """The page's frame now, with the events numbered `since_seq` and later (at most MAX_EVENTS),
-        and the seq to ask from next time; (None, since_seq) before the first view. Built once per view
-        and shared by every stream (only the events differ): read it, do not change it."""
-        with self._lock:
-            if self._view is None:
-                return None, since_seq
-            if self._frame is None or self._frame[0] != self.version:
-                self._frame = (self.version, self._shared_frame())
-            events = [e for e in self._events if e["seq"] >= since_seq]
-            return {**self._frame[1], "events": events}, self._num_events
+    def encoded(self) -> EncodedFrame | None:
+        """The latest view's frame, built and serialized once however many streams send it (later
+        calls return the same object until a new view arrives); None before the first view. A large
+        pool's frame takes milliseconds: call it off the event loop."""
+        with self._build_lock:
+            with self._lock:
+                if self._view is None:
+                    return None
+                if self._encoded is not None and self._encoded.version == self.version:
+                    return self._encoded
+                snapshot = _Snapshot(self.version, self._states.copy(), self._refs.copy(), self._block_size,
+                                     self._view, self._core, list(self._series), list(self._events),
+                                     self._num_events)
+            events = [_encode(e) for e in snapshot.events]
+            frame = EncodedFrame(snapshot.version, _encode(_shared_frame(snapshot))[:-1], events,
+                                 snapshot.next_seq - len(events))
+            self._encoded = frame
+            return frame
 
-    def _shared_frame(self) -> dict:
-        """With the lock held: the frame of the latest view, but for the events each stream picks."""
-        view, core = self._view, self._core
-        cells, cell_refs, per_cell = _cells(self._states, self._refs)
-        counts = np.bincount(self._states, minlength=4)
-        kv = core.kv
-        return {
-            "t": self._series[-1][0],
-            "block_size": self._block_size,
-            "num_blocks": len(self._states),
-            "cell_blocks": per_cell,
-            "cells": cells,
-            "cell_refs": cell_refs,
-            "counts": {STATE_NAMES[s]: int(counts[s]) for s in STATE_NAMES},
-            "engine": {"total_blocks": kv.total_blocks, "free_blocks": kv.free_blocks,
-                       "used_blocks": kv.used_blocks, "cached_free_blocks": kv.cached_free_blocks,
-                       "usage": kv.usage, "waste": kv.waste, "prefix_hit_rate": kv.prefix_hit_rate,
-                       "cow_copies": kv.cow_copies, "num_running": core.num_running,
-                       "num_waiting": core.num_waiting, "num_preemptions": core.num_preemptions,
-                       "offloaded_blocks": view.offloaded_blocks},
-            "requests": [{"id": i, "status": s, "num_tokens": n, "blocks": b} for i, s, n, b in view.requests],
-            "num_requests": view.num_requests,
-            "series": {name: [point[k] for point in self._series] for k, name in enumerate(SERIES)},
-        }
+    def frame(self, since_seq: int = 0) -> tuple[dict | None, int]:
+        """The page's frame now as a dict of its own, with the events numbered `since_seq` and later (at
+        most MAX_EVENTS), and the seq to ask from next time; (None, since_seq) before the first view."""
+        encoded = self.encoded()
+        if encoded is None:
+            return None, since_seq
+        return msgspec.json.decode(encoded.json(since_seq)), encoded.next_seq
+
+
+def _shared_frame(s: _Snapshot) -> dict:
+    """The frame of a snapshot's view, but for the events each stream picks."""
+    view, core = s.view, s.core
+    cells, cell_refs, per_cell = _cells(s.states, s.refs)
+    counts = np.bincount(s.states, minlength=4)
+    kv = core.kv
+    return {
+        "t": s.series[-1][0],
+        "block_size": s.block_size,
+        "num_blocks": len(s.states),
+        "cell_blocks": per_cell,
+        "cells": cells,
+        "cell_refs": cell_refs,
+        "counts": {STATE_NAMES[state]: int(counts[state]) for state in STATE_NAMES},
+        "engine": {"total_blocks": kv.total_blocks, "free_blocks": kv.free_blocks,
+                   "used_blocks": kv.used_blocks, "cached_free_blocks": kv.cached_free_blocks,
+                   "usage": kv.usage, "waste": kv.waste, "prefix_hit_rate": kv.prefix_hit_rate,
+                   "cow_copies": kv.cow_copies, "num_running": core.num_running,
+                   "num_waiting": core.num_waiting, "num_preemptions": core.num_preemptions,
+                   "offloaded_blocks": view.offloaded_blocks},
+        "requests": [{"id": i, "status": st, "num_tokens": n, "blocks": b} for i, st, n, b in view.requests],
+        "num_requests": view.num_requests,
+        "series": {name: [point[k] for point in s.series] for k, name in enumerate(SERIES)},
+    }
 
 
 def _cells(states: np.ndarray, refs: np.ndarray) -> tuple[list[int], list[int], int]:

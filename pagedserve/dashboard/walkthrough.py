@@ -11,7 +11,6 @@ free or cached.
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from types import SimpleNamespace
 
@@ -70,8 +69,7 @@ class _Run:
         if view is not None:
             stats = CoreStats(len(self.queues.running), len(self.queues.waiting), self.kv.stats(), self.preemptions)
             self.watch.apply(view, stats, self.generated)
-        frame, self.next_event = self.watch.frame(self.next_event)  # this step's events only
-        frame = copy.deepcopy(frame)  # edited below; the watch shares its parts between calls
+        frame, self.next_event = self.watch.frame(self.next_event)  # this step's events only (a dict of its own)
         step = len(self.frames)
         for event in frame["events"]:  # time in steps, not in the microseconds the script took
             event["t"] = step

@@ -213,7 +213,8 @@ def server_kwargs(args: argparse.Namespace) -> dict:
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                 max_request_tokens=args.max_request_tokens, engine_max_restarts=args.engine_max_restarts,
                 engine_stall_timeout=args.engine_stall_timeout, lora_modules=lora_modules,
-                allow_runtime_lora_updating=args.allow_runtime_lora_updating, dashboard=not args.no_dashboard)
+                allow_runtime_lora_updating=args.allow_runtime_lora_updating, dashboard=not args.no_dashboard,
+                dashboard_max_viewers=args.dashboard_max_viewers)
 
 
 def lora_module_paths(args: argparse.Namespace) -> tuple:
@@ -380,6 +381,20 @@ def cmd_bench_startup(args: argparse.Namespace) -> None:
     table = format_table(rows)
     print(table)
     save_report(args.out_dir, "bench_startup", table, None, args.json, rows)
+
+
+def cmd_bench_dashboard(args: argparse.Namespace) -> None:
+    import shlex
+
+    from pagedserve.bench.dashboard import format_table, run_dashboard_bench
+
+    bounds = tuple(None if b == "default" else int(b) for b in args.max_viewers)
+    rows = run_dashboard_bench(viewers=args.viewers, non_readers=args.non_readers, churn=args.churn,
+                               max_viewers=bounds, quiet_s=args.quiet_seconds, loaded_s=args.seconds,
+                               server_args=tuple(shlex.split(args.server_args)))
+    table = format_table(rows)
+    print(table)
+    save_report(args.out_dir, "bench_dashboard", table, None, args.json, rows)
 
 
 def cmd_bench_profile(args: argparse.Namespace) -> None:
@@ -622,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-dashboard", action="store_true",
                        help="do not serve the live KV-cache view at /dashboard (it needs the API key when one is set, "
                        "as a header or as ?api_key=)")
+    serve.add_argument("--dashboard-max-viewers", type=positive(int), default=100, metavar="N",
+                       help="the most live-view streams (/dashboard/events) open at once; past it, a 503 (default: "
+                       "100). A viewer whose socket takes nothing for 5 s is dropped, freeing its place")
     lora = serve.add_argument_group("LoRA adapters (with --enable-lora; --max-loras, --max-lora-rank and "
                                     "--max-cpu-loras size them)")
     lora.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
@@ -772,6 +790,20 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--out-dir", default=None, help="write bench_startup.md here")
     st.add_argument("--json", default=None)
     st.set_defaults(func=cmd_bench_startup)
+
+    dash = bench.add_parser("dashboard", help="what live KV view viewers (reading, never reading, dropping) cost a "
+                            "neighbour stream and /health on a real server")
+    dash.add_argument("--viewers", type=int, default=1000, help="clients reading /dashboard/events")
+    dash.add_argument("--non-readers", type=int, default=300, help="connections that ask for it and never read")
+    dash.add_argument("--churn", type=int, default=20, help="clients that connect, ask and drop, in a loop")
+    dash.add_argument("--max-viewers", nargs="+", default=["default"], metavar="N|default",
+                      help="a server for each: its --dashboard-max-viewers (default: the server's default)")
+    dash.add_argument("--seconds", type=positive(float), default=40.0, help="the loaded phase's length")
+    dash.add_argument("--quiet-seconds", type=positive(float), default=10.0, help="the neighbour alone, first")
+    dash.add_argument("--server-args", default="", help="more flags for each server, e.g. '--num-kv-blocks 4096'")
+    dash.add_argument("--out-dir", default=None, help="write bench_dashboard.md here")
+    dash.add_argument("--json", default=None)
+    dash.set_defaults(func=cmd_bench_dashboard)
 
     prof = bench.add_parser("profile", help="a decode step's time by part, and decode speed vs the matmul ceiling")
     prof.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])

@@ -89,12 +89,12 @@ def test_serve_flags_reach_run_server():
         "serve", "--timeout-keep-alive", "2", "--header-timeout", "3", "--body-timeout", "4", "--shutdown-timeout",
         "6", "--max-body-bytes", "1000", "--override-generation-config", '{"max_new_tokens": 64}',
         "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json", "--max-request-tokens", "5000",
-        "--engine-max-restarts", "0", "--engine-stall-timeout", "7.5"])
+        "--engine-max-restarts", "0", "--engine-stall-timeout", "7.5", "--dashboard-max-viewers", "9"])
     assert server_kwargs(args) == defaults | {
         "timeout_keep_alive": 2.0, "header_timeout": 3.0, "body_timeout": 4.0, "shutdown_timeout": 6.0,
         "max_body_bytes": 1000, "default_max_tokens": 64, "enable_auto_tool_choice": True,
         "tool_call_parser": "llama3_json", "max_request_tokens": 5000, "engine_max_restarts": 0,
-        "engine_stall_timeout": 7.5}
+        "engine_stall_timeout": 7.5, "dashboard_max_viewers": 9}
     with pytest.raises(ValueError, match="--engine-max-restarts"):
         server_kwargs(build_parser().parse_args(["serve", "--engine-max-restarts", "-1"]))
 

@@ -36,7 +36,9 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_dashboard import add_dashboard_routes
+from pagedserve.entrypoints.openai.serving_dashboard import (
+    DEFAULT_MAX_VIEWERS, DashboardStreams, add_dashboard_routes,
+)
 from pagedserve.entrypoints.openai.serving_engine import (
     APIError, Drain, bad_request, engine_unavailable, server_error, shutting_down,
 )
@@ -92,7 +94,8 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
               tool_call_parser: str | None = None, extra_collectors: tuple = (),
               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-              allow_runtime_lora_updating: bool = False, dashboard: bool = True) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, dashboard: bool = True,
+              dashboard_max_viewers: int = DEFAULT_MAX_VIEWERS) -> FastAPI:
     """An app serving a started engine. The caller owns the engine (start and shutdown).
 
     served_model_name: the base model's name, or the served models (OpenAIServingModels: the base
@@ -107,12 +110,14 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
     max_stored_responses: how many /v1/responses answers are kept for previous_response_id and GET
     (the least recently used is dropped first); allow_runtime_lora_updating: serve vLLM's POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter (absent without it, as in vLLM); dashboard:
-    serve the live KV view at /dashboard (serving_dashboard). The app's drain (app.state.drain) is
+    serve the live KV view at /dashboard (serving_dashboard); dashboard_max_viewers: the most
+    /dashboard/events streams open at once (a 503 past it). The app's drain (app.state.drain) is
     driven by http_server.GracefulServer."""
     bound = prompt_bound(engine.tokenizer, engine.max_model_len)
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(bound and bound.max_chars)
     drain = Drain()
+    dashboard_streams = DashboardStreams(engine, drain, dashboard_max_viewers) if dashboard else None
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedserve-tokenizer")
 
     @asynccontextmanager
@@ -125,6 +130,8 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
     app.state.drain = drain
     models = (served_model_name if isinstance(served_model_name, OpenAIServingModels)
               else OpenAIServingModels(engine, served_model_name))
+    if dashboard_streams is not None:
+        extra_collectors = (*extra_collectors, dashboard_streams.collector())
     metrics = ServerMetrics(engine, models.base_model_name, extra_collectors)
     shared = dict(executor=executor, prompt_bound=bound, default_max_tokens=default_max_tokens, drain=drain,
                   max_request_tokens=max_request_tokens)
@@ -176,8 +183,8 @@ def build_app(engine: EngineClient, served_model_name: str | OpenAIServingModels
         return responses.delete(response_id)
 
     app.include_router(v1)
-    if dashboard:
-        add_dashboard_routes(app, engine, drain)
+    if dashboard_streams is not None:
+        add_dashboard_routes(app, engine, dashboard_streams)
 
     tokenization = OpenAIServingTokenization(chat)
 
@@ -320,15 +327,15 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                engine_max_restarts: int = DEFAULT_MAX_RESTARTS,
                engine_stall_timeout: float = DEFAULT_STALL_TIMEOUT,
                lora_modules: Sequence[LoRAModulePath] = (), allow_runtime_lora_updating: bool = False,
-               dashboard: bool = True) -> None:
+               dashboard: bool = True, dashboard_max_viewers: int = DEFAULT_MAX_VIEWERS) -> None:
     """Serve until SIGTERM or SIGINT, which drain the server (http_server.GracefulServer) before it
     exits; a second signal exits at once. engine_core: "process" runs the core in a process of its
     own, "thread" on a thread of this one (both behind `AsyncLLM`). lora_modules: LoRA adapters
     served under their names, checked before the model loads (ValueError saying which and why);
     allow_runtime_lora_updating: the routes that load and unload adapters while serving; dashboard: the
-    live KV view at /dashboard. If the
-    core process dies or stalls and cannot be restarted (a core on a thread that stalls never can),
-    the server stops and this raises SystemExit with an error (exit code 1), so that a supervisor
+    live KV view at /dashboard, to at most dashboard_max_viewers streams at once. If the core
+    process dies or stalls and cannot be restarted (a core on a thread that stalls never can), the
+    server stops and this raises SystemExit with an error (exit code 1), so that a supervisor
     restarts the service."""
     engine = make_async_engine(config, engine_core, max_restarts=engine_max_restarts,
                                stall_timeout=engine_stall_timeout)
@@ -339,7 +346,8 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
         app = build_app(engine, models, api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                         default_max_tokens=default_max_tokens, enable_auto_tool_choice=enable_auto_tool_choice,
                         tool_call_parser=tool_call_parser, max_request_tokens=max_request_tokens,
-                        allow_runtime_lora_updating=allow_runtime_lora_updating, dashboard=dashboard)
+                        allow_runtime_lora_updating=allow_runtime_lora_updating, dashboard=dashboard,
+                        dashboard_max_viewers=dashboard_max_viewers)
         server = http_server.make_server(app, host=host, port=port, timeout_keep_alive=timeout_keep_alive,
                                          header_timeout=header_timeout, shutdown_timeout=shutdown_timeout)
         if allow_runtime_lora_updating:

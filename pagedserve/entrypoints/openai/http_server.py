@@ -2,7 +2,9 @@
 
 - `HeaderTimeoutH11Protocol`: uvicorn's h11 protocol, plus a deadline for a request's headers (uvicorn
   has only a keep-alive timeout, which any byte resets; a client that sends its headers slowly, or
-  nothing at all, kept its socket forever).
+  nothing at all, kept its socket forever), and each request's `ConnectionWrites` in its scope's
+  extensions (what a stream to a client that may not read needs of the socket: ASGI has no way to
+  say "the client took nothing for a while", nor to drop such a client at once).
 - `RequestGuard` (ASGI): a body limit in bytes (413, at once for a Content-Length over it, else as
   the bytes arrive), a deadline for the body (408), and the drain: while the server drains, new
   requests get a 503 and every response says `Connection: close`.
@@ -16,8 +18,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import struct
 import time
 from typing import Any
 
@@ -31,6 +35,7 @@ from pagedserve.entrypoints.openai.serving_engine import APIError, Drain, shutti
 
 logger = logging.getLogger("uvicorn.error")  # the server log, formatted by uvicorn
 
+WRITES_EXTENSION = "pagedserve.connection_writes"  # the scope["extensions"] key of a request's ConnectionWrites
 DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0  # an idle connection between requests (uvicorn's setting)
 DEFAULT_HEADER_TIMEOUT = 5.0  # from a request's first byte (or the connection's start) to its last header
 DEFAULT_BODY_TIMEOUT = 30.0  # from the headers to the body's last byte
@@ -43,14 +48,51 @@ def error_body(error: APIError) -> bytes:
     return error.body.model_dump_json().encode()
 
 
-# ---- headers -----------------------------------------------------------------------------------
+# ---- the connection ----------------------------------------------------------------------------
+
+
+class ConnectionWrites:
+    """What a response may know and do of its connection's writes, for a stream that must not wait
+    for any one client (the dashboard's): the bytes the socket has not taken yet, and dropping a
+    client that does not read. In each request's scope["extensions"][WRITES_EXTENSION] under this
+    module's server."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def unsent(self) -> int:
+        """Bytes written to the connection that the socket has not taken yet (in the app's memory)."""
+        return self._transport.get_write_buffer_size()
+
+    def limit_kernel_queue(self, nbytes: int) -> None:
+        """Let the kernel hold only about `nbytes` not yet sent (TCP_NOTSENT_LOWAT), so that a client
+        that stops reading shows in `unsent()` after that much, not after the megabytes a socket's
+        buffer can grow to. Nothing where the OS lacks the option, or once the connection is gone."""
+        option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+        if option is not None:
+            self._set_option(socket.IPPROTO_TCP, option, nbytes)
+
+    def drop(self) -> None:
+        """Close the connection now and discard what is unsent, the kernel's queue too (a reset: a
+        graceful close would wait for a client that does not read)."""
+        self._set_option(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._transport.abort()
+
+    def _set_option(self, level: int, option: int, value: int | bytes) -> None:
+        if self._transport.is_closing():
+            return
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # ValueError: uvloop's stand-in for a socket whose connection has just closed
+            with contextlib.suppress(OSError, ValueError):
+                sock.setsockopt(level, option, value)
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):
     """A request's headers must all arrive within `header_timeout` seconds of its first byte (of the
     connection's start, for its first request); else the client gets a 408 (when it sent part of a
-    request) and the connection is closed. Subclassed per server with the value set
-    (`with_header_timeout`)."""
+    request) and the connection is closed. Each request's scope carries the connection's
+    `ConnectionWrites`. Subclassed per server with the value set (`with_header_timeout`)."""
 
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     _header_timer: asyncio.TimerHandle | None = None
@@ -62,7 +104,14 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         _set_nodelay(transport)
+        self._writes = ConnectionWrites(transport)
         self._start_header_timer()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's headers are in; its app starts at the loop's next turn
+            self.cycle.scope.setdefault("extensions", {})[WRITES_EXTENSION] = self._writes
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:
