@@ -51,6 +51,11 @@ SHUTDOWN_STORE_BATCH = 64
 SAVE_SECONDS = 10.0
 # How long an idle step waits for a grammar to compile before it returns (to read commands).
 GRAMMAR_POLL_SECONDS = 0.02
+# While a request waits for its grammar, a CPU engine pauses after each step for this fraction of
+# the step's time, and the compiles (at the lowest priority) run in the pauses: next to a step they
+# would share its cores, and each of its parallel kernels would wait for the thread that lost its
+# core (steps up to 100x their time). The neighbours' steps take twice as long meanwhile, evenly.
+COMPILE_PAUSE = 1.0
 
 
 @dataclass
@@ -342,7 +347,16 @@ class EngineCore:
             outputs = self._commit(plan, result)
         self.stats.num_steps += 1
         self.stats.busy_seconds += time.perf_counter() - start
+        if self._grammar_jobs and self.config.device == "cpu":
+            self._pause_for_compiles(time.perf_counter() - start)
         return resolved + outputs
+
+    def _pause_for_compiles(self, step_seconds: float) -> None:
+        """Leave the cores to the grammars being compiled for COMPILE_PAUSE x the step's time, or
+        until one of them is done."""
+        compiling = [job.future for job in self._grammar_jobs.values() if not job.future.done()]
+        if compiling:
+            wait_for_futures(compiling, COMPILE_PAUSE * step_seconds, FIRST_COMPLETED)
 
     def _resolve_grammars(self) -> list[SampleOutput]:
         """Schedule the requests whose grammars have compiled; fail those whose grammars failed or

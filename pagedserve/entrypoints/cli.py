@@ -366,6 +366,14 @@ def cmd_bench_routing(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_structured(args: argparse.Namespace) -> None:
+    if args.part == "gaps":
+        from pagedserve.bench.compile_gaps import format_gaps_table, run_compile_gaps_bench
+
+        reports = run_compile_gaps_bench(concurrent=args.concurrent, properties=args.properties, reps=args.reps)
+        table = format_gaps_table(reports)
+        print(table)
+        save_report(args.out_dir, "bench_structured_gaps", table, None, args.json, reports)
+        return
     from pagedserve.bench.structured import format_table, run_structured_bench
 
     report = run_structured_bench(num_requests=args.num_requests, max_tokens=args.max_tokens, reps=args.reps)
@@ -775,11 +783,17 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--json", default=None)
     rt.set_defaults(func=cmd_bench_routing)
 
-    so = bench.add_parser("structured", help="JSON-schema-constrained requests vs the same work unconstrained")
+    so = bench.add_parser("structured", help="JSON-schema-constrained requests vs the same work unconstrained; "
+                          "--part gaps: a streaming neighbour's token gaps while big schemas compile")
+    so.add_argument("--part", choices=("throughput", "gaps"), default="throughput",
+                    help="throughput: constrained vs free, offline; gaps: a real server's neighbour stream while "
+                    "--concurrent schemas of --properties properties compile at once")
     so.add_argument("--num-requests", type=int, default=64)
     so.add_argument("--max-tokens", type=int, default=160)
+    so.add_argument("--concurrent", type=int, default=3, help="gaps: schemas sent at once")
+    so.add_argument("--properties", type=int, default=1000, help="gaps: properties in each schema")
     so.add_argument("--reps", type=int, default=1)
-    so.add_argument("--out-dir", default=None, help="write bench_structured.md here")
+    so.add_argument("--out-dir", default=None, help="write bench_structured.md (gaps: bench_structured_gaps.md) here")
     so.add_argument("--json", default=None)
     so.set_defaults(func=cmd_bench_structured)
 

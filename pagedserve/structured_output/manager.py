@@ -10,10 +10,16 @@ batch pay nothing.
 
 Grammars compile on a small thread pool, off the core's step loop: a request waits for its
 grammar outside the scheduler (`RequestStatus.WAITING_FOR_GRAMMAR`) while the others step, and
-fails with a ParameterError once `grammar_compile_timeout` passes. xgrammar cannot interrupt a
-compile: one past its time limit keeps its pool thread until it ends (its grammar then joins the
-cache, so a retry is quick). `grammar_check`'s limits refuse the specs that would hold a thread
-for minutes, and the pool's size bounds what the rest can take from the model's cores.
+fails with a ParameterError once `grammar_compile_timeout` passes. xgrammar's compile releases
+the GIL but takes a core for seconds (a 1,000-property schema: about 2 s): the pool's threads run
+at the lowest CPU priority (Linux: per thread), so that they never take a core from a step, whose
+parallel kernels each wait for their slowest thread; a CPU engine pauses after its steps while
+grammars compile (`engine_core.COMPILE_PAUSE`), and the compiles run then. xgrammar cannot
+interrupt a compile: one past its time limit keeps its pool thread until it ends (its grammar
+then joins the cache, so a retry is quick). `grammar_check`'s limits refuse the specs
+that would hold a thread for minutes, and the pool's size bounds how many run at once. (A
+compile in another process would not pay: a CompiledGrammar serializes in time and size that
+grow faster than its compile, 39 s and 250 MB for 200 properties.)
 
 The core deals in token ids, but the grammar compiler needs the vocabulary's strings: it takes
 the front's tokenizer when the core runs in the front's process; in a process of its own, the
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 import time
@@ -51,6 +58,8 @@ JSON_MAX_WHITESPACE = 1
 # Threads that compile grammars. Two: a compile that overruns its time limit (it cannot be
 # stopped) leaves one to the others; more would take cores from the model's steps.
 COMPILE_THREADS = 2
+# Their nice value: the highest (the lowest CPU priority), so that a step's threads come first.
+COMPILE_NICE = 19
 
 # xgrammar's errors start with a timestamp and a C++ source location; the rest is for the user.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -62,6 +71,15 @@ def load_xgrammar():
     import xgrammar
 
     return xgrammar
+
+
+def lower_compile_thread_priority() -> None:
+    """The calling thread at COMPILE_NICE (Linux: setpriority on its thread id; elsewhere, or if
+    refused, it keeps its priority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def _reason(error: Exception) -> str:
@@ -190,7 +208,8 @@ class StructuredOutputManager:
     def submit(self, spec: StructuredOutputsParams) -> GrammarJob:
         """Start checking and compiling `spec` on the pool (`build`)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+            self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile",
+                                            initializer=lower_compile_thread_priority)
         return GrammarJob(spec, self._pool.submit(self.build, spec), time.monotonic() + self.compile_timeout)
 
     def build(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:

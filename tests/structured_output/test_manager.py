@@ -352,6 +352,68 @@ def test_a_compiling_grammar_holds_up_no_other_request(llm, gated_build):
     assert_all_free(llm)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU priority is Linux's")
+def test_grammars_compile_at_the_lowest_cpu_priority_and_the_step_loop_keeps_its_own(llm, monkeypatch):
+    """A compile takes only what the steps leave of the cores: its thread runs at nice 19."""
+    import os
+    import threading
+
+    manager = llm.llm_engine.core.structured_output
+    priorities = []
+    build = manager.build
+
+    def recording_build(spec):
+        priorities.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return build(spec)
+
+    monkeypatch.setattr(manager, "build", recording_build)
+    step_loop = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    engine = llm.llm_engine
+    engine.add_request("low", PROMPTS[0], constrained(max_tokens=4, regex="[a-z]{2,4}"))
+    done = run_until_finished(engine, {"low"})["low"]
+    assert done.error is None and done.outputs[0].text
+    assert priorities == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == step_loop  # unchanged
+    assert_all_free(llm)
+
+
+@pytest.mark.slow
+def test_a_cpu_step_pauses_while_a_grammar_compiles_and_only_then(llm, gated_build, monkeypatch):
+    """While a request waits for its grammar, each step is followed by a pause of COMPILE_PAUSE x
+    its time (the compile runs in it, not beside the step's threads); none once it has compiled."""
+    import time
+
+    import pagedserve.core.engine_core as engine_core
+
+    manager, gate, started = gated_build
+    pauses = []
+    wait = engine_core.wait_for_futures
+
+    def recording_wait(futures, timeout, return_when):
+        pauses.append(timeout)
+        return wait(futures, timeout, return_when)
+
+    monkeypatch.setattr(engine_core, "wait_for_futures", recording_wait)
+    engine = llm.llm_engine
+    engine.add_request("constrained", PROMPTS[0], constrained(max_tokens=4, json=PERSON))
+    engine.add_request("free", PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.0))
+    assert started.wait(30)
+    for _ in range(3):
+        busy, start = engine.stats.busy_seconds, time.perf_counter()
+        engine.step()
+        busy, wall = engine.stats.busy_seconds - busy, time.perf_counter() - start
+        assert pauses and pauses[-1] >= engine_core.COMPILE_PAUSE * busy > 0
+        assert wall >= busy + pauses[-1] * 0.99  # the gate holds the compile: the pause runs to its end
+    job = engine.core._grammar_jobs["constrained"]
+    gate.set()
+    job.future.result(30)
+    pauses.clear()
+    done = run_until_finished(engine, {"constrained", "free"})
+    assert done["constrained"].error is None and len(done["free"].outputs[0].token_ids) == 12
+    assert pauses == []  # nothing compiles: the steps run back to back
+    assert_all_free(llm)
+
+
 def test_a_grammar_past_its_time_limit_fails_its_request_naming_the_field(llm, gated_build, monkeypatch):
     manager, gate, started = gated_build
     monkeypatch.setattr(manager, "compile_timeout", 0.3)

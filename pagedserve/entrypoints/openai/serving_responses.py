@@ -12,6 +12,8 @@ do for chat.
 Responses are kept (`store`, true by default) in memory for `previous_response_id` and GET, at
 most `max_stored_responses` of them: the least recently used is dropped first. A stored response
 keeps its conversation without its instructions (OpenAI's rule: instructions do not carry over).
+As on OpenAI, every function call in the conversation (the earlier turns' and the input's) needs
+its function_call_output: a follow-up that leaves one unanswered is a 400 naming its call id.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class OpenAIServingResponses:
                                param="previous_response_id", code="previous_response_not_found")
             earlier = previous.conversation
         conversation = (*earlier, *chat_messages(request.input))
+        unanswered = unanswered_call(conversation)
+        if unanswered is not None:
+            raise APIError(400, f"No tool output found for function call {unanswered}.", param="input")
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         chat_request = self._chat_request(request, [*system, *conversation])
         try:
@@ -203,6 +208,17 @@ def chat_messages(given: str | list[InputItem]) -> list[dict[str, Any]]:
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _chat_content(item.output)})
     return messages
+
+
+def unanswered_call(messages: tuple[dict[str, Any], ...]) -> str | None:
+    """The id of the first tool call in the chat `messages` that no later tool message answers."""
+    pending: dict[str, None] = {}  # in the order the calls were made
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            pending[call["id"]] = None
+        if message["role"] == "tool":
+            pending.pop(message["tool_call_id"], None)
+    return next(iter(pending), None)
 
 
 def _chat_content(content: str | list[InputTextPart]) -> str | list[dict[str, str]]:

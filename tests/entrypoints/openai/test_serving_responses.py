@@ -133,6 +133,49 @@ def test_a_function_tool_round_trip_with_previous_response_id_and_without(server
     assert whole.usage.input_tokens == chained.usage.input_tokens > alone.usage.input_tokens + 20
 
 
+def weather_call(call_id: str, city: str) -> dict:
+    return {"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": json.dumps({"city": city})}
+
+
+def weather_result(call_id: str, celsius: int) -> dict:
+    return {"type": "function_call_output", "call_id": call_id, "output": json.dumps({"celsius": celsius})}
+
+
+def test_a_follow_up_must_answer_every_function_call(server):
+    """As OpenAI: a function call left without its function_call_output is a 400 naming its id,
+    whether the calls come from previous_response_id or are given in `input`. The model is shown
+    one earlier turn with two calls, and makes two."""
+    client = server.client()
+    shown = [{"role": "user", "content": "What is the weather in Paris and in Rome?"},
+             weather_call("call_p", "Paris"), weather_call("call_r", "Rome"),
+             weather_result("call_p", 20), weather_result("call_r", 25),
+             {"role": "assistant", "content": "Paris: 20 C, Rome: 25 C."}]
+    ask = {"role": "user", "content": "What is the weather in Berlin and in Madrid?"}
+    first = client.responses.create(input=[*shown, ask], tools=[WEATHER], tool_choice="required",
+                                    **GREEDY | {"max_output_tokens": 60})
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 2, first.output
+    answered, unanswered = (weather_result(call.call_id, 18) for call in calls)
+    answer = dict(tools=[WEATHER], tool_choice="none", **GREEDY | {"max_output_tokens": 4})
+
+    def refused(**request) -> dict:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**request, **answer)
+        return e.value.body
+
+    second = calls[1].call_id
+    for body in (refused(previous_response_id=first.id, input=[answered]),
+                 refused(previous_response_id=first.id, input=[answered], stream=True),
+                 refused(input=[*shown, ask, calls[0].to_dict(), calls[1].to_dict(), answered])):
+        assert body == {"message": f"No tool output found for function call {second}.",
+                        "type": "invalid_request_error", "param": "input", "code": None}
+    # A follow-up that answers none names the first call; one that answers both is served.
+    assert refused(previous_response_id=first.id, input="And tomorrow?")["message"].endswith(f"{calls[0].call_id}.")
+    served = client.responses.create(previous_response_id=first.id, input=[answered, unanswered], **answer)
+    assert served.status in ("completed", "incomplete") and served.output_text
+    assert_all_free(server.wait_idle())
+
+
 def test_a_streamed_call_sends_its_arguments_in_fragments(server):
     client = server.client()
     request = dict(input=ASK, tools=[WEATHER], tool_choice=FORCE_WEATHER, **GREEDY)
