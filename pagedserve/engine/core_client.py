@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 # How long start() waits for the core to load its model and report ready.
 DEFAULT_START_TIMEOUT = 600.0
-# How long shutdown() waits for the core process to exit before terminating it.
-SHUTDOWN_GRACE = 10.0
+# How long shutdown() waits for the core process to exit before terminating it: longer than the
+# core's own bounded exit work (the KV tier's save and close, 10 s each), so that is never cut short.
+SHUTDOWN_GRACE = 30.0
 # After the core process dies: how many times a new one is started before the engine gives up, and
 # the wait before the first try (doubled before each next one: 1, 2, 4 s).
 DEFAULT_MAX_RESTARTS = 3
