@@ -168,7 +168,8 @@ class EngineConfig:
         None, "speculative decoding, a JSON object with vLLM's keys: method (ngram, suffix, draft_model), "
         "num_speculative_tokens, prompt_lookup_min/max (ngram), model and quantization (draft_model)")
     grammar_compile_timeout: float = _setting(
-        10.0, "structured output: seconds a request may wait for its grammar to compile before it fails with a 400")
+        10.0, "structured output: seconds of CPU time a request's grammar may take to compile before the request fails "
+        "with a 400 (it waits at most 6 times that in all, however busy the machine)")
     kv_offload_dir: str | None = _setting(
         None, "a directory for a second KV tier behind the pool: full blocks are written there as files and read "
         "back on a prefix-cache miss, also by a later process on the same model (off unless set)")

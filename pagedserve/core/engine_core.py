@@ -364,14 +364,14 @@ class EngineCore:
         outputs = []
         now = time.monotonic()
         for request_id, job in list(self._grammar_jobs.items()):
-            if not job.future.done() and now < job.deadline:
+            if not job.future.done() and not job.overdue(now):
                 continue
             samples = self._groups[request_id]
             del self._grammar_jobs[request_id]
             try:
                 if not job.future.done():
                     job.future.cancel()  # a compile that has not started yet never will
-                    raise job.timeout_error(self.structured_output.compile_timeout)
+                    raise job.timeout_error(now)
                 grammars = self.structured_output.matchers_for(job.future.result(), len(samples))
             except ParameterError as e:
                 outputs += self._fail(samples[0], str(e), e.param)

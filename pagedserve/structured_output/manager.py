@@ -10,8 +10,9 @@ batch pay nothing.
 
 Grammars compile on a small thread pool, off the core's step loop: a request waits for its
 grammar outside the scheduler (`RequestStatus.WAITING_FOR_GRAMMAR`) while the others step, and
-fails with a ParameterError once `grammar_compile_timeout` passes. xgrammar's compile releases
-the GIL but takes a core for seconds (a 1,000-property schema: about 2 s): the pool's threads run
+fails with a ParameterError once its compile has taken `grammar_compile_timeout` seconds of CPU
+(or it has waited MAX_WAIT_FACTOR times that: a busy machine's steps come first, so a limit on the
+wall clock would fail sound schemas for the load). xgrammar's compile releases the GIL but takes a core for seconds (a 1,000-property schema: about 2 s): the pool's threads run
 at the lowest CPU priority (Linux: per thread), so that they never take a core from a step, whose
 parallel kernels each wait for their slowest thread; a CPU engine pauses after its steps while
 grammars compile (`engine_core.COMPILE_PAUSE`), and the compiles run then. xgrammar cannot
@@ -158,17 +159,58 @@ def check_grammar(spec: StructuredOutputsParams) -> None:
     spec._checked = True  # not a field: a copy that crosses to the core's process is checked again there
 
 
+# A request waits for its grammar at most this many times grammar_compile_timeout, however little
+# CPU its compile got meanwhile: on a busy machine the steps come first (the compile threads run at
+# nice 19), so a compile's CPU time, not the wall clock, is what the time limit bounds.
+MAX_WAIT_FACTOR = 6
+
+
 @dataclass
 class GrammarJob:
-    """A request's grammar being compiled, and when the request stops waiting for it."""
+    """A request's grammar being compiled, and the limits of its wait."""
 
     spec: StructuredOutputsParams
-    future: Future  # of the CompiledGrammar
-    deadline: float  # time.monotonic()
+    timeout: float  # seconds of CPU time the compile may take
+    submitted: float  # time.monotonic()
+    future: Future | None = None  # of the CompiledGrammar
+    # The compile thread's CPU clock and its reading when the compile started (set by that thread).
+    clock: int | None = None
+    clock_start: float = 0.0
 
-    def timeout_error(self, timeout: float) -> ParameterError:
-        return ParameterError("structured_outputs", f"structured_outputs: the {self.spec.key[0]} constraint did not "
-                              f"compile within {timeout:g} s; simplify it")
+    def start_clock(self) -> None:
+        """Called on the compile thread as the compile starts."""
+        try:
+            clock = time.pthread_getcpuclockid(threading.get_ident())
+            self.clock_start = time.clock_gettime(clock)
+        except (AttributeError, OSError):  # no per-thread CPU clock here: the wall-clock limit alone
+            return
+        self.clock = clock
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the compile has taken so far, or None before it starts (or without a clock)."""
+        if self.clock is None:
+            return None
+        try:
+            return time.clock_gettime(self.clock) - self.clock_start
+        except OSError:  # the thread has ended
+            return None
+
+    def overdue(self, now: float) -> bool:
+        """Whether the request stops waiting: its compile has used `timeout` seconds of CPU, or it has
+        waited MAX_WAIT_FACTOR times that."""
+        if self.future is not None and self.future.done():
+            return False
+        used = self.cpu_seconds()
+        return now - self.submitted >= MAX_WAIT_FACTOR * self.timeout or (used is not None and used >= self.timeout)
+
+    def timeout_error(self, now: float) -> ParameterError:
+        used = self.cpu_seconds()
+        if used is not None and used >= self.timeout:
+            why = f"did not compile within {self.timeout:g} s of CPU time; simplify it"
+        else:
+            why = (f"did not compile within {self.timeout:g} s of CPU time before {now - self.submitted:.0f} s "
+                   "had passed (the server is busy); retry, or simplify it")
+        return ParameterError("structured_outputs", f"structured_outputs: the {self.spec.key[0]} constraint {why}")
 
 
 class StructuredOutputManager:
@@ -210,7 +252,13 @@ class StructuredOutputManager:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile",
                                             initializer=lower_compile_thread_priority)
-        return GrammarJob(spec, self._pool.submit(self.build, spec), time.monotonic() + self.compile_timeout)
+        job = GrammarJob(spec, self.compile_timeout, time.monotonic())
+        job.future = self._pool.submit(self._build_job, job)
+        return job
+
+    def _build_job(self, job: GrammarJob) -> xgr.CompiledGrammar:
+        job.start_clock()
+        return self.build(job.spec)
 
     def build(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The spec checked (again, in the core: it may come from a socket), compiled, and found to

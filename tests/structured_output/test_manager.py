@@ -461,3 +461,44 @@ def test_a_repeated_schema_compiles_once(llm):
     assert compiler.get_cache_size_bytes() == cached  # the same spec: found, nothing compiled
     manager.build(StructuredOutputsParams(json=schema | {"required": ["p0"]}))
     assert compiler.get_cache_size_bytes() > cached  # another spec compiles and is kept
+
+
+def test_a_grammar_is_timed_by_its_compiles_cpu_time_not_by_the_wall_clock():
+    """A compile that waits for the CPU (a busy machine's steps come first) is not late until the
+    request has waited MAX_WAIT_FACTOR times the limit; one that has used the limit's CPU time is."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedserve.structured_output.manager import MAX_WAIT_FACTOR, GrammarJob
+
+    spec = StructuredOutputsParams(regex="a+")
+    starved, costly = GrammarJob(spec, 0.2, time.monotonic()), GrammarJob(spec, 0.2, time.monotonic())
+    release, waiting = threading.Event(), threading.Event()
+
+    def wait(job):
+        job.start_clock()
+        waiting.set()
+        release.wait(30)
+
+    def burn(job):
+        job.start_clock()
+        while job.cpu_seconds() < 0.3:
+            pass
+        release.wait(30)
+
+    with ThreadPoolExecutor(2) as pool:
+        starved.future, costly.future = pool.submit(wait, starved), pool.submit(burn, costly)
+        assert waiting.wait(30)
+        deadline = time.monotonic() + 60
+        while (costly.cpu_seconds() or 0.0) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cap = MAX_WAIT_FACTOR * 0.2
+        assert not starved.overdue(starved.submitted + cap - 0.01)  # its thread took (almost) no CPU
+        assert starved.overdue(starved.submitted + cap)
+        assert "the server is busy" in str(starved.timeout_error(starved.submitted + cap))
+        assert costly.overdue(costly.submitted)  # at once, by its CPU time
+        message = str(costly.timeout_error(costly.submitted))
+        assert "did not compile within 0.2 s of CPU time; simplify it" in message
+        release.set()
+    assert not costly.overdue(costly.submitted + cap)  # done: never late
