@@ -238,11 +238,6 @@ class Attacks:
                                           json={"lora_name": f"attack-{self.count}", "lora_path": path})
         return response.status_code
 
-    def _adapter_dir(self, name: str) -> Path:
-        path = self.work / f"{name}-{self.count}"
-        path.mkdir(parents=True)
-        return path
-
     async def tier_fifo(self) -> list:
         """A prompt's blocks written to the tier, their files replaced by named pipes, the blocks pushed
         out of the pool by other prompts, then the prompt again: its read meets the pipes."""
@@ -264,51 +259,57 @@ class Attacks:
         got.append((await self.client.post("/v1/completions", json=body)).status_code)
         return [f"{len(victims)} files made pipes", *sorted(Counter(s for s in got if isinstance(s, int)).items())]
 
-    async def adapter_huge_config(self) -> list:
-        directory = self._adapter_dir("huge-config")
-        with open(directory / "adapter_config.json", "wb") as f:
+    def prepare(self) -> None:
+        """The bad adapters, made once before the traffic starts (100k files take a while)."""
+        from safetensors.torch import load_file, save_file
+
+        huge_config = self.work / "huge-config"
+        huge_config.mkdir()
+        with open(huge_config / "adapter_config.json", "wb") as f:
             f.write(b'{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "pad": "')
             f.truncate(2 << 30)  # sparse: 2 GB that take no disk
-        (directory / "adapter_model.safetensors").write_bytes(b"")
-        return [await self._load(str(directory))]
+        (huge_config / "adapter_model.safetensors").write_bytes(b"")
 
-    async def adapter_huge_header(self) -> list:
-        directory = self._adapter_dir("huge-header")
-        write_random_adapter(str(directory), self.model_config, rank=4, seed=1)
+        huge_header = Path(write_random_adapter(str(self.work / "huge-header"), self.model_config, rank=4, seed=1))
         entries = {f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]} for i in range(400_000)}
         header = json.dumps(entries).encode()
-        with open(directory / "adapter_model.safetensors", "wb") as f:
+        with open(huge_header / "adapter_model.safetensors", "wb") as f:
             f.write(struct.pack("<Q", len(header)) + header + b"\0\0\0\0")
-        return [await self._load(str(directory))]
+
+        many_files = Path(write_random_adapter(str(self.work / "many-files"), self.model_config, rank=4, seed=2))
+        for i in range(100_000):
+            (many_files / f"f{i}").touch()
+
+        proc_symlink = Path(write_random_adapter(str(self.work / "proc-symlink"), self.model_config, rank=4, seed=3))
+        os.unlink(proc_symlink / "adapter_model.safetensors")
+        os.symlink("/proc/self/environ", proc_symlink / "adapter_model.safetensors")
+
+        not_finite = Path(write_random_adapter(str(self.work / "not-finite"), self.model_config, rank=4, seed=4))
+        tensors = load_file(not_finite / "adapter_model.safetensors")
+        tensors[sorted(tensors)[0]][0, 0] = float("nan")
+        save_file(tensors, not_finite / "adapter_model.safetensors")
+
+    async def adapter_huge_config(self) -> list:
+        return [await self._load(str(self.work / "huge-config"))]
+
+    async def adapter_huge_header(self) -> list:
+        return [await self._load(str(self.work / "huge-header"))]
 
     async def adapter_many_files(self) -> list:
-        directory = self.work / "many-files"
-        if not directory.exists():
-            directory.mkdir()
-            for i in range(100_000):
-                (directory / f"f{i}").touch()
-        return [await self._load(str(directory))]
+        """An adapter directory holding 100k other files: nothing lists it, so it loads (200)."""
+        status = await self._load(str(self.work / "many-files"))
+        if status == 200:
+            await self.client.post("/v1/unload_lora_adapter", json={"lora_name": f"attack-{self.count}"})
+        return [status]
 
     async def adapter_proc_symlink(self) -> list:
-        directory = self._adapter_dir("proc-symlink")
-        write_random_adapter(str(directory), self.model_config, rank=4, seed=2)
-        os.unlink(directory / "adapter_model.safetensors")
-        os.symlink("/proc/self/environ", directory / "adapter_model.safetensors")
-        return [await self._load(str(directory))]
+        return [await self._load(str(self.work / "proc-symlink"))]
 
     async def adapter_long_path(self) -> list:
         return [await self._load("/tmp/" + "x" * 5000)]
 
     async def adapter_not_finite(self) -> list:
-        from safetensors.torch import load_file, save_file
-
-        directory = self._adapter_dir("not-finite")
-        write_random_adapter(str(directory), self.model_config, rank=4, seed=3)
-        tensors = load_file(directory / "adapter_model.safetensors")
-        name = sorted(tensors)[0]
-        tensors[name][0, 0] = float("nan")
-        save_file(tensors, directory / "adapter_model.safetensors")
-        return [await self._load(str(directory))]
+        return [await self._load(str(self.work / "not-finite"))]
 
     async def dashboard_flood(self) -> list:
         """300 connections that ask for the stream and never read, 20 that connect and drop, for 20 s."""
@@ -335,13 +336,16 @@ class Attacks:
         return [f"300 silent, {dropped} dropped"]
 
     async def big_schemas(self) -> list:
-        schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(1000)}}
+        schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(1000)}}
 
         async def one(i: int) -> int:
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"Fill the form {self.count}-{i}."}],
                     "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
                         "name": "form", "schema": {**schema, "title": f"form-{self.count}-{i}"}}}}
-            return (await self.client.post("/v1/chat/completions", json=body, timeout=300)).status_code
+            response = await self.client.post("/v1/chat/completions", json=body, timeout=300)
+            if response.status_code == 200:
+                return 200
+            return f"{response.status_code}: {response.json().get('error', {}).get('message', '')[:160]}"
 
         return list(await asyncio.gather(*(one(i) for i in range(3))))
 
@@ -367,6 +371,16 @@ def _metrics(url: str) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+def _status(item) -> int:
+    """The HTTP status an attack's result item names (0 when it names none)."""
+    if isinstance(item, tuple):
+        item = item[0]
+    if isinstance(item, int):
+        return item
+    head = str(item).split(":")[0]
+    return int(head) if head.isdigit() else 0
+
+
 def _quarter_median(samples: list[tuple[float, int]], duration: float, quarter: int) -> float | None:
     values = [rss for t, rss in samples if quarter * duration / 4 <= t < (quarter + 1) * duration / 4]
     return statistics.median(values) if values else None
@@ -379,6 +393,8 @@ async def soak(url: str, server_pid: int, work: Path, tier_dir: Path, args: argp
     headers = {"Authorization": f"Bearer {API_KEY}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits) as client, \
             httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as viewers_client:
+        attacks = Attacks(url, client, viewers_client, work, tier_dir, load_config())
+        attacks.prepare()
         core_pid = _core_pid(server_pid)
         pids = {"server": server_pid, "core": core_pid}
         start = time.monotonic()
@@ -388,7 +404,6 @@ async def soak(url: str, server_pid: int, work: Path, tier_dir: Path, args: argp
                   asyncio.create_task(health_probe(client, report, stop, start)),
                   asyncio.create_task(rss_sampler(pids, report, stop, start))]
         tasks += [asyncio.create_task(viewer(viewers_client, report, stop)) for _ in range(args.viewers)]
-        attacks = Attacks(url, client, viewers_client, work, tier_dir, load_config())
         queue = [a for a in attacks.all() if not args.attacks or a.__name__ in args.attacks]
         k = 0
         while time.monotonic() - start < args.duration:
@@ -430,7 +445,7 @@ def _summary(report: Report, duration: float, metrics: dict, server_pid: int, co
         rss[role] = {"second_quarter_mb": round(early / 2**20, 1) if early else None,
                      "last_quarter_mb": round(late / 2**20, 1) if late else None,
                      "growth": round(late / early - 1, 4) if early and late else None}
-    attack_5xx = [a for a in report.attacks if any(isinstance(s, int) and s >= 500 for s in a[2])]
+    attack_5xx = [a for a in report.attacks if any(_status(s) >= 500 for s in a[2])]
     checks = {
         "no 5xx outside the attacks": not report.traffic_5xx,
         "no transport errors": not report.traffic_errors,
