@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_for_futures
@@ -171,6 +172,7 @@ class EngineCore:
             (lambda: tokenizer) if tokenizer is not None else (lambda: load_tokenizer(config.model)),
             config.grammar_compile_timeout)
         self._grammar_jobs: dict[str, GrammarJob] = {}  # user request id -> its grammar, compiling
+        self._recent_steps: deque[float] = deque(maxlen=9)  # seconds of the last steps that paused for compiles
         self._adapter_jobs: dict[str, Future] = {}  # user request id -> its LoRA adapter, loading
         self._adapters: dict[int, LoRARequest] = {}  # lora_int_id -> the adapter it stands for
         self.stats = EngineStats()
@@ -352,11 +354,14 @@ class EngineCore:
         return resolved + outputs
 
     def _pause_for_compiles(self, step_seconds: float) -> None:
-        """Leave the cores to the grammars being compiled for COMPILE_PAUSE x the step's time, or
+        """Leave the cores to the grammars being compiled for COMPILE_PAUSE x the step's time (at
+        most the recent steps' median: a step slowed by the machine is not made twice as long), or
         until one of them is done."""
+        self._recent_steps.append(step_seconds)
         compiling = [job.future for job in self._grammar_jobs.values() if not job.future.done()]
         if compiling:
-            wait_for_futures(compiling, COMPILE_PAUSE * step_seconds, FIRST_COMPLETED)
+            typical = sorted(self._recent_steps)[len(self._recent_steps) // 2]
+            wait_for_futures(compiling, COMPILE_PAUSE * min(step_seconds, typical), FIRST_COMPLETED)
 
     def _resolve_grammars(self) -> list[SampleOutput]:
         """Schedule the requests whose grammars have compiled; fail those whose grammars failed or

@@ -104,7 +104,7 @@ def test_structured_output_in_the_core_process(process_server, offline):
 def test_three_big_schemas_compiling_at_once_keep_a_neighbours_gaps_even(process_server):
     """Three schemas of 1,000 properties sent at once (seconds of compiling each, more than the
     cores hold beside the steps): the neighbour's stream slows evenly. Compiles beside the steps'
-    threads gave gaps of seconds, 30-50x the median; with the pauses a quiet machine gives 2-4x and a
+    threads gave gaps of seconds, 30-50x the median; now a quiet machine gives 2-5x and a
     busy one up to 7x, so the bound is 15x (the figure itself is `pagedserve bench structured --part gaps`)."""
     from pagedserve.bench.compile_gaps import measure_compile_gaps
 
