@@ -984,7 +984,7 @@ def main(argv: list[str] | None = None) -> None:
         args.func, args.distributed_timeout = cmd_worker, getattr(args, "distributed_timeout", 300.0)
     try:
         args.func(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # bad input or a path that is not there: one line, no traceback
         sys.exit(f"error: {e}")
 
 

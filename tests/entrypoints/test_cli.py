@@ -169,7 +169,7 @@ def draft_config(path) -> str:
 
 
 @pytest.fixture
-def bad_draft_paths(tmp_path):
+def bad_model_paths(tmp_path):
     """Draft-model paths the loader cannot read, each with what the error says."""
     (tmp_path / "no_config").mkdir()
     (tmp_path / "weights.bin").write_bytes(b"\x00" * 8)
@@ -194,14 +194,29 @@ def test_a_wrong_draft_model_path_is_one_error_line_before_the_engine_starts(tmp
         "directory (config.json + *.safetensors) or a .gguf file"], server.stderr
 
 
-def test_the_offline_api_refuses_a_wrong_draft_model_path_before_loading_weights(bad_draft_paths, monkeypatch):
+@pytest.mark.slow
+def test_a_wrong_model_path_is_one_error_line(bad_model_paths):
+    """`pagedserve serve --model` with a path that is not there, or a file that is no GGUF: one `error:`
+    line naming the path and what to pass, exit status 1, no traceback."""
+    import subprocess
+    import sys
+
+    for path, reason in [bad_model_paths[0], bad_model_paths[3]]:
+        server = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", "9",
+                                 "--model", str(path)], capture_output=True, text=True, timeout=300)
+        assert server.returncode == 1, server.stderr
+        (line,) = server.stderr.splitlines()
+        assert line.startswith("error: ") and str(path) in line and reason in line, line
+
+
+def test_the_offline_api_refuses_a_wrong_draft_model_path_before_loading_weights(bad_model_paths, monkeypatch):
     from pagedserve.engine import llm_engine
 
     def no_core(*args, **kwargs):
         raise AssertionError("the engine core was built: the path was not checked first")
 
     monkeypatch.setattr(llm_engine, "EngineCore", no_core)
-    for path, reason in bad_draft_paths:
+    for path, reason in bad_model_paths:
         with pytest.raises(ValueError, match=reason) as error:
             LLM(speculative_config=json.loads(draft_config(path)))
         assert str(path) in str(error.value) and "speculative_config: the draft model" in str(error.value)
