@@ -12,7 +12,8 @@ Grammars compile on a small thread pool, off the core's step loop: a request wai
 grammar outside the scheduler (`RequestStatus.WAITING_FOR_GRAMMAR`) while the others step, and
 fails with a ParameterError once its compile has taken `grammar_compile_timeout` seconds of CPU
 (or it has waited MAX_WAIT_FACTOR times that: a busy machine's steps come first, so a limit on the
-wall clock would fail sound schemas for the load). xgrammar's compile releases the GIL but takes a core for seconds (a 1,000-property schema: about 2 s): the pool's threads run
+wall clock would fail sound schemas for the load). xgrammar's compile releases the GIL but takes a
+core for seconds (a 1,000-property schema: about 2 s): the pool's threads run
 at the lowest CPU priority (Linux: per thread), so that they never take a core from a step, whose
 parallel kernels each wait for their slowest thread; a CPU engine pauses after its steps while
 grammars compile (`engine_core.COMPILE_PAUSE`), and the compiles run then. xgrammar cannot
