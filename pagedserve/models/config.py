@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.kv.groups import KVLayout
 from pagedserve.kv.sizes import kv_bytes_per_token
 
 # model_type -> the transformers class our decoder reproduces. SmolLM2 is model_type "llama".
@@ -62,6 +63,19 @@ class ModelConfig:
 
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def kv_layout(self, uniform: bool = False) -> KVLayout:
+        """The layers' KV cache groups (kv/groups.py). uniform: one full-attention group of every
+        layer, windows only masked (the layout of an engine without groups, for comparison)."""
+        if uniform or not self.sliding_windows:
+            return KVLayout.uniform(self.num_layers)
+        return KVLayout.of([self.layer_window(i) for i in range(self.num_layers)])
+
+    def kv_bytes_per_block_token(self, dtype: torch.dtype, kv_heads: int | None = None, uniform: bool = False) -> int:
+        """Bytes one token slot of a block takes: K and V in each layer buffer a block spans
+        (`KVLayout.layers_per_block`; all layers for a model of one kind of layer)."""
+        per = self.kv_layout(uniform).layers_per_block
+        return kv_bytes_per_token(per, kv_heads or self.num_kv_heads, self.head_dim, dtype.itemsize)
 
     def kv_bytes_per_token(self, dtype: torch.dtype, kv_heads: int | None = None) -> int:
         """Bytes of K and V one token occupies across all layers (of `kv_heads` heads: one

@@ -146,15 +146,18 @@ class DecoderForCausalLM(nn.Module):
         return model
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata | list[AttentionMetadata]
     ) -> Tensor:
-        """input_ids, positions: [num_tokens]; kv_caches: one KVCache per layer.
-        Returns the final hidden states [num_tokens, hidden_size]."""
+        """input_ids, positions: [num_tokens]; kv_caches: one KVCache per layer; attn_metadata: the
+        step's metadata, or one per layer (its KV cache group's). Returns the final hidden states
+        [num_tokens, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # gathered once, shared by all layers
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        per_layer = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(kv_caches)
+        for layer, kv_cache, md in zip(self.model.layers, kv_caches, per_layer, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, md)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
