@@ -105,10 +105,10 @@ def replay_skipped(model_config: ModelConfig, config: EngineConfig,
     for name in (CPU_ATTENTION, CPU_LINEAR, CPU_FUSED_OPS):
         if kernels.get(name) is not None:
             return f"part of the forward runs outside the C kernels ({name}: {kernels[name]})"
-    return _several_groups(model_config, config)
+    return None
 
 
 def _several_groups(model_config: ModelConfig, config: EngineConfig) -> str | None:
     if model_config.kv_layout(config.disable_hybrid_kv_cache).num_groups > 1:
-        return "layers of several KV cache groups: the replays hold one block table per request"
+        return "layers of several KV cache groups: CUDA graphs hold one block table per request"
     return None

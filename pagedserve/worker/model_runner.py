@@ -172,9 +172,10 @@ class ModelRunner:
             kernels = self._cpu_kernel_paths()
             skipped = fast_paths.replay_skipped(self.model_config, self.config, kernels)
             if skipped is None and self.device.type == "cpu":
+                groups = [g for g, _ in self.kv_layout.layer_places()] if self.kv_layout.num_groups > 1 else None
                 graph = CpuDecodeGraph.attempt(
-                    self.model, self.kv_caches, min(self.max_decode_rows, cpu_linear.MAX_ROWS),
-                    cdiv(max_model_len, self.block_size), self.block_size, self.attention_backend)
+                    self.model, self.layer_caches, min(self.max_decode_rows, cpu_linear.MAX_ROWS),
+                    cdiv(max_model_len, self.block_size), self.block_size, self.attention_backend, groups)
                 self.decode_graphs, skipped = (graph, None) if isinstance(graph, CpuDecodeGraph) else (None, graph)
             self._note_fast_paths({fast_paths.DECODE_REPLAY: skipped, **kernels})
             if skipped is not None or self.device.type == "cpu":
@@ -328,8 +329,9 @@ class ModelRunner:
         mds = self._metadata(inputs.block_tables, inputs.num_computed, inputs.num_new)
         md = mds[0]
         ids = torch.tensor(inputs.input_ids, device=self.device)
-        if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):
-            hidden = self.decode_graphs.run(ids, md)
+        graph_md = mds if len(mds) > 1 else md  # (CUDA graphs: one group only)
+        if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(graph_md):
+            hidden = self.decode_graphs.run(ids, graph_md)
         else:
             for group_md in mds:
                 group_md.calculate_kv_scales = self.calibrate_kv_scales

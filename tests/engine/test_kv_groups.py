@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
@@ -24,6 +24,10 @@ HYBRID = {
     # two sliding layers to one full: groups of one layer each (2 sliding, 1 full)
     "qwen3": lambda: Qwen3Config(**DIMS, head_dim=16, num_hidden_layers=3, sliding_window=WINDOW, use_sliding_window=True,
                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # full, sliding, sliding, full: groups of two layers, decode steps replayed in C where it can
+    "qwen2": lambda: Qwen2Config(**DIMS, num_hidden_layers=4, sliding_window=WINDOW, use_sliding_window=True,
+                                 layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                              "full_attention"]),
     # a window on every layer: one sliding group
     "mistral": lambda: MistralConfig(**DIMS, num_hidden_layers=2, sliding_window=WINDOW),
 }
@@ -98,6 +102,23 @@ def test_greedy_output_matches_transformers(hybrid, reference, embedded_tokenize
         assert llm.llm_engine.scheduler.num_preemptions > 0
     # Run again: the prefix cache now serves the openings and the second prompt's windows.
     assert [out[0] for out in generate(llm)] == reference
+    assert_all_free(llm)
+
+
+def test_decode_steps_of_several_groups_replay_where_the_c_kernels_run(embedded_tokenizer, tmp_path):
+    from pagedserve.worker.fast_paths import DECODE_REPLAY
+    from tests.worker.test_fast_paths import replays_here
+
+    path = tmp_path / "qwen2"
+    model = AutoModelForCausalLM.from_config(HYBRID["qwen2"](), attn_implementation="eager", dtype=torch.float32)
+    randomize_(model, seed=11)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    llm = make_llm(path, embedded_tokenizer)
+    assert llm.llm_engine.kv.num_groups == 2
+    if replays_here():
+        assert llm.fast_paths()[DECODE_REPLAY] is None
+        assert llm.llm_engine.runner.decode_graphs is not None
+    assert [out[0] for out in generate(llm)] == [hf_greedy(model, p) for p in prompts()]
     assert_all_free(llm)
 
 
