@@ -194,7 +194,7 @@ def load_model(
     checkpoint's linear weights."""
     path = resolve_model_path(model)
     config = load_config(path)
-    if _runs_quantized(path, quantization, torch.device(device)):
+    if _runs_quantized(path, quantization, torch.device(device), config):
         return _load_quantized(path, config, quantization, dtype, device, tp), config
     net = DecoderForCausalLM.empty(config, dtype, device, tp)
     if _is_gguf(path):  # dequantized once, then read back from the cache (gguf_cache.py)
@@ -208,7 +208,7 @@ def load_model(
     return net.requires_grad_(False).eval(), config  # inference only: never build autograd graphs
 
 
-def _runs_quantized(path: str, quantization: str, device: torch.device) -> bool:
+def _runs_quantized(path: str, quantization: str, device: torch.device, config: ModelConfig) -> bool:
     """Whether the weights load quantized; ValueError for a quantization this checkpoint or device
     cannot have."""
     if quantization not in QUANTIZATIONS:
@@ -224,6 +224,10 @@ def _runs_quantized(path: str, quantization: str, device: torch.device) -> bool:
         if quantization != "auto":
             raise ValueError(f"quantization={quantization!r} runs on CPU only, not {where}")
         logger.warning("quantized GGUF weights have no kernel %s: every weight is dequantized at load", where)
+        return False
+    if _is_gguf(path) and config.model_type == "phi3":  # q|k|v, gate|up stored fused: not cut quantized here
+        logger.warning("a Phi-3 GGUF's fused attn_qkv and ffn_up tensors are read dequantized: every weight is "
+                       "dequantized at load")
         return False
     return True
 
