@@ -192,8 +192,8 @@ def _rope(hf: Any) -> tuple[float, dict[str, Any] | None, float]:
         return float(theta), None, fraction
     max_len = hf.max_position_embeddings
     # Phi-3 keeps the pretraining length beside rope_parameters; transformers prefers it there.
-    original = int(params.get("original_max_position_embeddings",
-                              getattr(hf, "original_max_position_embeddings", None) or max_len))
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(hf, "original_max_position_embeddings", None) or max_len)
     factor = params.get("factor")
     if rope_type in ("linear", "dynamic", "llama3") and factor is None:
         raise ValueError(f"{rope_type} rope scaling lacks its factor")

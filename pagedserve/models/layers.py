@@ -111,11 +111,11 @@ class RotaryEmbedding(nn.Module):
       reaches (max_model_len <= max_position_embeddings), so these are its frequencies throughout.
     - longrope: position p takes the short factors below original_max_position_embeddings and the
       long factors from there on. A sequence within the original length gets transformers'
-      rotation exactly (short factors). Past it, transformers rotates the whole sequence with the
-      long factors (Phi-3's generate drops its cache to re-run it when it first gets that long);
-      a paged cache keeps each token's K as first written, so here the earlier tokens keep the
-      short factors. A choice per sequence or per batch would make one request's K depend on
-      what it is batched with; a choice per position does not.
+      rotation exactly (short factors), and so does one decoded past it a token per forward over
+      a cache. transformers' Phi-3 generate instead runs the whole sequence again with the long
+      factors once it first grows past that length; a paged cache keeps each token's K as first
+      written, so here the earlier tokens keep the short factors. (Choosing by a batch's longest
+      position, as a transformers forward does, would make a request's K depend on its batch.)
     """
 
     def __init__(self, dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None):
