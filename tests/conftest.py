@@ -47,12 +47,13 @@ TINY_CONFIGS = {
     "qwen3": lambda: Qwen3Config(  # q/k norm, head_dim != hidden / heads, one sliding layer
         **_DIMS, head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1,
     ),
-    # Fused qkv / gate_up tensors, 12 of 16 dims rotated, LongRoPE (short factors below position 64,
-    # long ones from there: the tests' sequences cross it only while decoding), a window on every layer.
+    # Fused qkv / gate_up tensors, 12 of 16 dims rotated, a window on every layer, LongRoPE: short
+    # factors below position 64 (the arch tests' sequences stay below it, where generate agrees),
+    # long ones from there (tests/models/test_rope.py).
     "phi3": lambda: Phi3Config(
         **_DIMS, pad_token_id=None, partial_rotary_factor=0.75, sliding_window=12, original_max_position_embeddings=64,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                         "short_factor": [1.0, 1.05, 1.2, 1.6, 2.5, 3.0], "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 20.0]},
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.05, 1.2, 1.6, 2.5, 3.0],
+                         "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 20.0]},
     ),
     # Layer 1 is a NoPE layer (no_rope_layers [1, 0]), which also takes the window; tied embeddings.
     "smollm3": lambda: SmolLM3Config(
