@@ -1,17 +1,21 @@
-"""Decoder-only transformer covering Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2, Qwen3 and
-SmolLM2, over a flat batch of tokens whose K/V are read and written only through paged caches.
+"""Decoder-only transformer covering Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2, Qwen3,
+SmolLM2, SmolLM3 (NoPE layers) and Phi-3 / Phi-4 (partial rotary, LongRoPE), over a flat batch of
+tokens whose K/V are read and written only through paged caches.
 
 Module names mirror transformers' (model.layers.N.self_attn...), except that q/k/v and gate/up
 are fused into one matmul each; `checkpoint_targets` maps checkpoint names onto those fusions.
+Checkpoints that store them fused already (Phi-3's qkv_proj, gate_up_proj) are first cut into
+their parts by `split_fused_tensors`.
 Built with a tensor-parallel group of N ranks, the model holds rank r's share (models/sharding.py)
 and `checkpoint_targets` says which slice of each checkpoint tensor that is.
 """
 
 from __future__ import annotations
 
-import torch
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from pagedserve.attention.kv_cache import KVCache
@@ -45,6 +49,49 @@ class Target(NamedTuple):
         return tuple(shape)
 
 
+def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (name, tensor) pairs with each fused qkv_proj or gate_up_proj tensor (as
+    Phi-3 stores them: rows q | k | v, gate | up) given as its parts under the names
+    `checkpoint_targets` knows, each a view of its rows; a safetensors slice stays unread until
+    the part (or this rank's share of it) is indexed."""
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    parts = {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+             "gate_up_proj": (("gate_proj", inter), ("up_proj", inter))}
+    for name, tensor in tensors:
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        if module not in parts:
+            yield name, tensor
+            continue
+        rows = tuple(tensor.shape if hasattr(tensor, "shape") else tensor.get_shape())[0]
+        if rows != sum(n for _, n in parts[module]):
+            raise ValueError(f"checkpoint tensor {name!r} has {rows} rows, but the config implies "
+                             f"{' + '.join(f'{n} ({part})' for part, n in parts[module])}")
+        start = 0
+        for part, n in parts[module]:
+            piece = tensor.narrow(0, start, n) if hasattr(tensor, "narrow") else _LazyRows(tensor, start, n)
+            yield f"{parent}.{part}.{leaf}", piece
+            start += n
+
+
+class _LazyRows:
+    """Rows [start, start + rows) of a safetensors slice, shaped and indexed like one: indexing
+    it reads only the rows (and columns) indexed."""
+
+    def __init__(self, source: Any, start: int, rows: int) -> None:
+        self.source, self.start, self.rows = source, start, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, *self.source.get_shape()[1:]]
+
+    def __getitem__(self, index: Any) -> Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        first, last, step = (index[0] if index else slice(None)).indices(self.rows)
+        if step != 1:
+            raise IndexError("only a contiguous range of a checkpoint tensor's rows is read")
+        return self.source[(slice(self.start + first, self.start + last), *index[1:])]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, shard: TPShard, tp: TPGroup):
         super().__init__()
@@ -56,6 +103,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.use_rope = config.layer_uses_rope(layer)
         self.sliding_window = config.layer_window(layer)
         self.scale = self.head_dim**-0.5
 
@@ -66,7 +114,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.use_rope:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if md.calculate_kv_scales:
             kv_cache.scales.copy_(torch.stack([calibrated_scale(k), calibrated_scale(v)]))
         # The engine's backend, which built md (a per-engine choice: engines may share this model).
@@ -103,7 +152,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.rotary_dim or config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
 
 
