@@ -53,6 +53,8 @@ class ModelConfig:
     mlp_bias: bool = False
     # One entry per layer: its sliding-window size, or None for full attention. Empty: all full.
     sliding_windows: tuple[int | None, ...] = ()
+    # gpt-oss: every attention layer has a learned sink logit per query head (`self_attn.sinks`)
+    attention_sinks: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
