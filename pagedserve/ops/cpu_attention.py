@@ -18,6 +18,9 @@ The decode kernel does the same there, reading the bfloat16 rows as they lie ins
 each block first, which had made it compute-bound: 32 contexts of 1,300 tokens, 0.85-0.87 ms
 against 1.18-1.20 (37 against 27 GB/s; this machine reads about 40).
 
+Both take a layer's sink logits (gpt-oss: one per query head, in the softmax's denominator with no
+value) or none, and any head size that is a whole number of vectors (unrolled for 64, 128 and 256).
+
 `ops/native.py` compiles them on first use and caches the build. Without a compiler, or
 with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls back to torch's SDPA
 (a warning says why, once). Every call passes the pool's size: a checked build
