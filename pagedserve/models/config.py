@@ -61,6 +61,8 @@ class ModelConfig:
     rotary_dim: int | None = None        # the leading dims of each head that RoPE rotates; None: all of them
     # One entry per layer: whether it applies RoPE (SmolLM3's NoPE layers do not). Empty: all do.
     rope_layers: tuple[bool, ...] = ()
+    # gpt-oss: every attention layer has a learned sink logit per query head (`self_attn.sinks`)
+    attention_sinks: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

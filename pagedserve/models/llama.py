@@ -106,6 +106,9 @@ class Attention(nn.Module):
         self.use_rope = config.layer_uses_rope(layer)
         self.sliding_window = config.layer_window(layer)
         self.scale = self.head_dim**-0.5
+        # One sink logit per query head of this rank, kept float32 in any model dtype (`empty`): the
+        # attention backends read float32 sinks.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if config.attention_sinks else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, md: AttentionMetadata) -> Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -119,7 +122,8 @@ class Attention(nn.Module):
         if md.calculate_kv_scales:
             kv_cache.scales.copy_(torch.stack([calibrated_scale(k), calibrated_scale(v)]))
         # The engine's backend, which built md (a per-engine choice: engines may share this model).
-        out = md.backend.forward(q, k, v, kv_cache.k, kv_cache.v, md, self.scale, self.sliding_window, kv_cache.scales)
+        out = md.backend.forward(q, k, v, kv_cache.k, kv_cache.v, md, self.scale, self.sliding_window, kv_cache.scales,
+                                 sinks=self.sinks)
         return self.o_proj(out.flatten(1))
 
 
@@ -183,10 +187,11 @@ class DecoderForCausalLM(nn.Module):
         `meta`), allocate its parameters: those the loader already replaced with quantized weights
         are gone and take no memory."""
         model = model or cls.meta(config, tp)
+        float32 = {id(m.sinks) for m in model.modules() if isinstance(m, Attention) and m.sinks is not None}
         # Module.to_empty's empty_like of a meta tensor goes through torch's Python references,
         # which take half a second to set up on first use: a start pays it. torch.empty does not.
-        model = model._apply(lambda t: t if t.device.type != "meta" else
-                             torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
+        model = model._apply(lambda t: t if t.device.type != "meta" else torch.empty(
+            t.shape, dtype=dtype if t.is_floating_point() and id(t) not in float32 else t.dtype, device=device))
         model.model.rotary_emb.build(device)  # a buffer, not a weight: compute it for real
         if model.shard.real_vocab_rows(config.vocab_size) < model.shard.vocab_rows:
             for head in (model.model.embed_tokens, model.lm_head):
@@ -245,6 +250,8 @@ class DecoderForCausalLM(nn.Module):
                 targets[name] = Target(param, 0, param.shape[0], 1, row_parallel[module], columns * s.size)
             elif module in ("embed_tokens", "lm_head"):
                 targets[name] = Target(param, 0, s.real_vocab_rows(c.vocab_size), 0, s.vocab_start, c.vocab_size)
+            elif leaf == "sinks":  # one per query head: this rank's heads
+                targets[name] = Target(param, 0, s.num_heads, 0, s.rank * s.num_heads, c.num_heads)
             else:
                 targets[name] = Target(param, 0, param.shape[0], 0, 0, param.shape[0])
         return targets

@@ -41,7 +41,7 @@ from pagedserve.ops import native
 KINDS = {"linear": (0, 1), "rms_norm": (1, 4), "silu_and_mul": (2, 2), "rotary": (3, 3),
          "paged_decode_attention": (4, 7), "gather_rows": (5, 4), "scatter_rows": (6, 5), "quant_linear": (7, 1),
          "quant_rows": (8, 4), "lora_add": (9, 1)}
-MAX_INTS, MAX_FLOATS = 19, 3
+MAX_INTS, MAX_FLOATS = 20, 3
 ALIGN = 64  # bytes: each intermediate's place in the arena, as torch aligns its allocations
 
 

@@ -12,7 +12,7 @@
 
 enum { LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY, DECODE_ATTENTION, GATHER_ROWS, SCATTER_ROWS, QUANT_LINEAR, QUANT_ROWS,
        LORA_ADD };
-#define MAX_INTS 19
+#define MAX_INTS 20
 #define MAX_FLOATS 3
 
 typedef struct {
@@ -28,7 +28,7 @@ typedef void silu_and_mul_fn(const void *, void *, int64_t, int64_t, int, int);
 typedef void rotary_fn(void *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, int, int);
 typedef int decode_attention_fn(const void *, const void *, const void *, void *, const int64_t *, const int64_t *,
                                 const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                float, int64_t, int, int, float, float, int);
+                                float, int64_t, int, int, float, float, int, const float *);
 typedef int gather_rows_fn(const void *, int64_t, const int64_t *, void *, int64_t, int64_t, int);
 typedef int scatter_rows_fn(const void *, int64_t, const int64_t *, void *, int64_t, int64_t, int64_t, int);
 typedef void quant_linear_fn(const void *, int64_t, int64_t, const void *, int64_t, void *, int64_t, int, int, int, int,
@@ -65,7 +65,7 @@ int64_t replay(const call_t *calls, int64_t count, int64_t rows)
         case DECODE_ATTENTION:
             if (((decode_attention_fn *)call->fn)(P(0), P(1), P(2), P(3), P(4), P(5), P(6), a[7], a[8], a[9], a[10],
                                                   a[11], a[12], a[13], a[14], f[0], a[15], (int)a[16], (int)a[17], f[1],
-                                                  f[2], (int)a[18]) != 0)
+                                                  f[2], (int)a[18], P(19)) != 0)
                 return c + 1;
             break;
         case GATHER_ROWS:
