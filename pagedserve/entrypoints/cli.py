@@ -19,6 +19,12 @@ def cmd_kv_calc(args: argparse.Namespace) -> None:
         print(weights)
 
 
+def cmd_bench_hybrid(args: argparse.Namespace) -> None:
+    from pagedserve.bench.hybrid import format_hybrid, run_hybrid_bench
+
+    print(format_hybrid(run_hybrid_bench(args.parts, args.contexts, args.batch, args.reps, args.dtype)))
+
+
 def cmd_bench_memory(args: argparse.Namespace) -> None:
     if args.part == "layouts":
         from pagedserve.bench.memory_layouts import layouts_table, run_layouts_bench
@@ -717,6 +723,17 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--out-dir", default="docs", help="where the markdown table and PNG go ('' for none)")
     mem.add_argument("--json", default=None, help="also write the figures as JSON here")
     mem.set_defaults(func=cmd_bench_memory)
+
+    hyb = bench.add_parser("hybrid", help="a Gemma-3-shaped model (sliding and full layers): KV cache groups against "
+                                          "every layer keeping every token: decode steps by context, throughput "
+                                          "under one KV budget, multi-turn prefix-cache hits")
+    hyb.add_argument("--parts", nargs="+", choices=["steps", "throughput", "multi-turn"],
+                     default=["steps", "throughput", "multi-turn"])
+    hyb.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    hyb.add_argument("--batch", type=int, default=1, help="steps: requests per decode step")
+    hyb.add_argument("--reps", type=int, default=5)
+    hyb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    hyb.set_defaults(func=cmd_bench_hybrid)
 
     thr = bench.add_parser("throughput", help="pagedserve vs other systems on one workload, as ratios")
     thr.add_argument("--workload", default="sharegpt-like", choices=list(WORKLOADS))
