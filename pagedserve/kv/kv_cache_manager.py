@@ -378,6 +378,9 @@ class KVCacheManager:
         # `prefetch`, or not written yet); a block it holds only as a file, or that failed its
         # checks, is not part of the hit: the hit is found again without it.
         payloads: dict[bytes, Any] = {}
+        # Kept across rounds: a shorter hit's sliding windows read other blocks than the longer
+        # hit's, and that longer hit must not come back (each round then rules out a new name).
+        unavailable: set[bytes] = set()
         while hit.num_loads():
             missing = set()
             for entries in hit.entries:
@@ -388,8 +391,8 @@ class KVCacheManager:
                     missing.update(names[len(got):])
             if not missing:
                 break
-            unavailable = frozenset(missing | {n for n in payloads if payloads[n] is None})
-            hit = self._find_hit(token_ids, extra_keys, hashes, use_tier=True, unavailable=unavailable)
+            unavailable |= missing | {n for n in payloads if payloads[n] is None}
+            hit = self._find_hit(token_ids, extra_keys, hashes, use_tier=True, unavailable=frozenset(unavailable))
             if not self._admission_fits(len(token_ids), hit, num_new_tokens):
                 return None
         num_cached = hit.num_blocks * self.block_size
@@ -523,12 +526,24 @@ class KVCacheManager:
         """Give back the request's slots past its first `num_tokens` (a speculative step's rejected
         drafts): the blocks no longer needed return to the pool. Those slots were never offered to
         the prefix cache (a block is offered once full of known tokens, and drafts are not known
-        tokens), so nothing unverified stays findable."""
+        tokens), so nothing unverified stays findable. A request shrinks to no fewer tokens than it
+        held before that grow (ValueError where it cannot): a sliding group let go of the blocks
+        behind the window of the grow's first token, and the grow copied a block it shared with a
+        fork before writing into it, so the block its last token lies in is its own."""
         table = self._tables[req_id]
         if not 0 < num_tokens <= table.num_tokens:
             raise ValueError(f"cannot shrink request {req_id!r} from {table.num_tokens} to {num_tokens} tokens")
-        assert table.num_offered <= num_tokens // self.block_size, "a cached block would lose its tokens"
         keep = cdiv(num_tokens, self.block_size)
+        for g, blocks in enumerate(table.groups):
+            first = self._window_start(g, num_tokens)
+            if first < keep and blocks[first] is None:  # its next token would have no block to go to
+                raise ValueError(f"cannot shrink request {req_id!r} to {num_tokens} tokens: the sliding window "
+                                 f"({self.windows[g]}) of its next token reads blocks already let go of")
+            if num_tokens % self.block_size and blocks[keep - 1].ref_count > 1:
+                # Its token count is every holder's: the others still hold the slots past num_tokens.
+                raise ValueError(f"cannot shrink request {req_id!r} to {num_tokens} tokens: its last block "
+                                 f"{blocks[keep - 1].block_id} is shared with another request")
+        assert table.num_offered <= num_tokens // self.block_size, "a cached block would lose its tokens"
         for g, blocks in enumerate(table.groups):
             extra = [b for b in blocks[keep:] if b is not None]
             del blocks[keep:]
@@ -565,12 +580,13 @@ class KVCacheManager:
         """Drop the request's tables; a no-op for a request that holds none.
 
         Blocks are released tail first, so when they become free the end of the request (the
-        part least likely to be shared) is evicted before its prefix.
+        part least likely to be shared) is evicted before its prefix; across groups too (logical
+        block by logical block), since a hit needs every group's blocks up to its end.
         """
         table = self._tables.pop(req_id, None)
         if table is not None:
-            for blocks in table.groups:
-                self.pool.release(b for b in reversed(blocks) if b is not None)
+            self.pool.release(blocks[i] for i in reversed(range(cdiv(table.num_tokens, self.block_size)))
+                              for blocks in table.groups if blocks[i] is not None)
             if self.pool.watch is not None:
                 held = table.held()
                 kept = sum(1 for b in held if b.ref_count == 0 and b.block_hash is not None)

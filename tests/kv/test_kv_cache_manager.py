@@ -404,3 +404,17 @@ def test_prefetch_asks_the_tier_for_the_blocks_an_admission_would_load_and_admis
     tier.on_disk.clear()  # read into memory
     assert m.prefetch(prompt) is None  # nothing to wait for
     assert KVCacheManager(num_blocks=4, block_size=4).prefetch(prompt) is None  # no tier
+
+
+def test_shrinking_into_a_block_shared_with_a_fork_raises():
+    """The fork still holds the slots past the shrink in that block (its token count is both
+    tables'); a grow first copies the shared block, so a speculative rewind never meets one."""
+    m = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    m.admit("a", [1, 2, 3])
+    m.fork("a", "b")
+    with pytest.raises(ValueError, match="shared"):
+        m.shrink("b", 2)
+    assert m.num_tokens("b") == 3 and m.stats().filled_slots == 3
+    assert len(m.grow("b", 2)) == 1  # token 3 goes to a private copy of the shared block
+    m.shrink("b", 3)
+    assert m.stats().filled_slots == 3 + 3 and m.block_ids("b") != m.block_ids("a")

@@ -20,7 +20,13 @@ Checked after every rule, besides the base machine's invariants: each store copi
 the tokens its hash was made from, so does every readable tier entry, and every pending store's
 block still holds them; the offload counters equal the test's tallies. In teardown, with every
 table freed, what is still queued is done and checked, and nothing refers to a reused block.
+
+With several KV cache groups, each group's blocks are stored and loaded under names of their own
+(`tier_name`), each holding that group's values (`stored`): a readmitted request's loaded blocks
+must hold its tokens in every group's window.
 """
+
+import hashlib
 
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -34,7 +40,7 @@ from hypothesis.stateful import initialize, invariant, multiple, rule
 from pagedserve.kv import KVCacheManager
 from tests.kv.stats_oracle import walked_stats
 from tests.kv.test_kv_properties import (
-    BLOCK_SIZE, NUM_BLOCKS, KVCacheMachine, extra_keys, openings, tokens,
+    BLOCK_SIZE, NUM_BLOCKS, KVCacheMachine, extra_keys, first_kept_block, openings, stored, tokens,
 )
 
 # The tier's size in blocks, drawn per run: from smaller than the pool (the tier evicts often) to
@@ -51,6 +57,12 @@ long_tails = st.lists(st.integers(0, 2), min_size=5 * BLOCK_SIZE, max_size=(NUM_
 GARBAGE = -1  # what a block a failed step wrote holds (tokens are 0..2)
 
 
+def tier_name(group: int, block_hash: bytes) -> bytes:
+    """The tier's name of a group's block holding the tokens `block_hash` names: the hash itself
+    for the first group, for another a SHA-256 of the hash and the group's number."""
+    return block_hash if group == 0 else hashlib.sha256(block_hash + group.to_bytes(4, "little")).digest()
+
+
 class FakeTier:
     """A bounded LRU map hash -> payload, with the part of FileTier's contract the manager uses."""
 
@@ -62,12 +74,17 @@ class FakeTier:
         self.corrupt: set[bytes] = set()  # held, but fail their checks when read
         self.on_disk: set[bytes] = set()  # held, but not in memory: `read` stops before them
         self.fetching: list[tuple[list[bytes], Future]] = []  # prefetches not finished yet
+        self.asked: set[bytes] = set()  # what `read` was asked for since the test last emptied it
 
     def __contains__(self, block_hash):
         return block_hash in self.entries
 
     def read(self, block_hashes):
         """The payloads of the leading blocks held in memory; a corrupt one is dropped and ends the list."""
+        # One admission asks for each block once: what it got it keeps, what it did not get is
+        # not part of its hit (asking again could go on for ever).
+        assert not self.asked.intersection(block_hashes), "a block read twice for one admission"
+        self.asked.update(block_hashes)
         payloads = []
         for h in block_hashes:
             if h not in self.entries or h in self.on_disk:
@@ -133,10 +150,10 @@ class KVTierMachine(KVCacheMachine):
     def __init__(self):
         super().__init__()
         self.tier = FakeTier(NUM_BLOCKS)  # sized by `start`
-        self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, tier=self.tier, offload_policy=self.offload_policy,
-                                offload_min_hits=self.offload_min_hits)
+        self.m = KVCacheManager(self.num_blocks, BLOCK_SIZE, tier=self.tier, offload_policy=self.offload_policy,
+                                offload_min_hits=self.offload_min_hits, windows=self.windows)
         self.slots = Memory()
-        self.expected: dict[bytes, tuple] = {}  # block hash -> the tokens of the block it was made from
+        self.expected: dict[bytes, tuple] = {}  # tier name -> what the block it names holds
         self.learned: dict[int, int] = {}  # request -> hashes of its list already in `expected`
         self.offload_hits = self.stored = self.loaded = 0  # tallies of what the transfers carried
 
@@ -150,10 +167,16 @@ class KVTierMachine(KVCacheMachine):
             # (`speculate` hashes its known tokens before the test's list holds the last of them.)
             known, n = self.tokens[req], self.learned.get(req, 0)
             while n < len(hashes) and (n + 1) * BLOCK_SIZE <= len(known):
-                block = tuple(known[n * BLOCK_SIZE : (n + 1) * BLOCK_SIZE])
-                assert self.expected.setdefault(hashes[n], block) == block
+                for g in range(len(self.windows)):
+                    block = tuple(stored(g, t) for t in known[n * BLOCK_SIZE : (n + 1) * BLOCK_SIZE])
+                    assert self.expected.setdefault(tier_name(g, hashes[n]), block) == block
                 n += 1
             self.learned[req] = n
+
+    @staticmethod
+    def _name_of(key):
+        """The tier name of the block a prefix-cache key names: (group, hash), or the first group's hash."""
+        return tier_name(0, key) if isinstance(key, bytes) else tier_name(*key)
 
     def _block(self, block_id):
         return tuple(self.slots.get(block_id * BLOCK_SIZE + i) for i in range(BLOCK_SIZE))
@@ -180,6 +203,8 @@ class KVTierMachine(KVCacheMachine):
 
     def _admit(self, req, chunk, read_cache=True):
         prompt = self.tokens[req]
+        findable = {b.block_id for b in self.m.pool.cached.values()}
+        self.tier.asked.clear()
         cached = self.m.admit(req, prompt, num_new_tokens=chunk, extra_keys=self.extra_keys[req],
                               block_hashes=self.hashes[req], read_cache=read_cache)
         self._learn()
@@ -190,13 +215,21 @@ class KVTierMachine(KVCacheMachine):
         if read_cache:
             self.prefix_queries += len(prompt)
         self.prefix_hits += cached
+        self.slide_points[req] = cached
         loads = self._transfers()
-        # The tier's blocks fill the table right after the blocks the pool had cached.
-        num_cached = cached // BLOCK_SIZE
-        assert [b for b, _ in loads] == self.m.block_ids(req)[num_cached - len(loads) : num_cached]
-        self.offload_hits += len(loads) * BLOCK_SIZE
-        # The cached prefix, loaded blocks included, must hold exactly this prompt's tokens.
-        assert self._read(req)[:cached] == prompt[:cached]
+        # Each group's hit (the blocks its window reads before the hit point) is the pool's cached
+        # blocks and, where the pool lacks one, a new block the tier's payload is loaded into.
+        num_cached, loaded = cached // BLOCK_SIZE, [b for b, _ in loads]
+        hit = {(g, i): blocks[i].block_id for g, blocks in enumerate(self._groups(req))
+               for i in range(first_kept_block(self.windows[g], cached), num_cached)}
+        assert len(set(loaded)) == len(loaded) and set(loaded) <= set(hit.values())
+        assert set(hit.values()) - set(loaded) <= findable
+        if loaded:  # the hit's tokens from the first block read from the tier on
+            self.offload_hits += (num_cached - min(i for (_, i), b in hit.items() if b in loaded)) * BLOCK_SIZE
+        # The cached prefix, loaded blocks included, must hold exactly this prompt's tokens, in
+        # every group's window.
+        for g in range(len(self.windows)):
+            assert self._read(req, g)[:cached] == self._expected(req, g)[:cached]
         self._write(req, cached, self.m.num_tokens(req))
 
     def _end_step(self):
@@ -263,7 +296,7 @@ class KVTierMachine(KVCacheMachine):
         if req not in self.m:
             return
         if swap:
-            if self.slots.dirty.intersection(self.m.block_ids(req)):
+            if self.slots.dirty.intersection(self._held_ids(req)):
                 self._end_step()  # a victim is preempted by a later plan: the step it ran in completed
             self.m.offload(req)
         self.m.free(req)
@@ -293,13 +326,14 @@ class KVTierMachine(KVCacheMachine):
         if req not in self.tokens:
             return
         self._preempt(req, swap, take_now=False)
-        if self.m.num_free_blocks:
+        num_groups = len(self.windows)
+        if self.m.num_free_blocks >= num_groups:  # a block in every group for each block of its tokens
             filler = self.next_id
             self.next_id += 1
-            self.tokens[filler] = [3] * (self.m.num_free_blocks * BLOCK_SIZE)
+            self.tokens[filler] = [3] * (self.m.num_free_blocks // num_groups * BLOCK_SIZE)
             self.hashes[filler], self.extra_keys[filler] = [], "filler"
             self._admit(filler, None, read_cache=False)
-            assert self.m.num_free_blocks == 0
+            assert self.m.num_free_blocks < num_groups
             self.m.free(filler)
             del self.tokens[filler]
         self._admit(req, chunk)
@@ -319,7 +353,7 @@ class KVTierMachine(KVCacheMachine):
         self.m.discard_unconfirmed()
         dirty = self.slots.dirty
         for req in self._live():
-            if dirty.intersection(self.m.block_ids(req)):
+            if dirty.intersection(self._held_ids(req)):
                 self.m.free(req)
         for b in dirty:
             for i in range(BLOCK_SIZE):
@@ -344,7 +378,7 @@ class KVTierMachine(KVCacheMachine):
     @invariant()
     def pending_stores_still_hold_their_tokens(self):
         self._learn()
-        pending = list(self.m._stores) + [(b, h) for b, h, _ in self.m.pool.evicted]
+        pending = list(self.m._stores) + [(b, self._name_of(key)) for b, key, _ in self.m.pool.evicted]
         for block_id, h in pending:
             assert self._block(block_id) == self.expected[h], f"pending store of block {block_id} is stale"
 
@@ -375,10 +409,30 @@ class KVTierEvictedAfterAHitMachine(KVTierMachine):
     offload_min_hits = 1
 
 
+class KVTierFullAndSlidingMachine(KVTierMachine):
+    """A full-attention group and a sliding one (window 5), writing through."""
+
+    windows = (None, 5)
+    num_blocks = 2 * NUM_BLOCKS
+
+
+class KVTierSlidingOnlyEvictedMachine(KVTierMachine):
+    """One sliding group (window 6), its blocks stored as they are evicted: those behind the window
+    are let go of first, so a hit's window blocks come from the tier as well as from the pool."""
+
+    windows = (6,)
+    offload_policy = "evicted"
+
+
 run_settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+group_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestKVTierWriteThrough = KVTierMachine.TestCase
 TestKVTierWriteThrough.settings = run_settings
 TestKVTierEvicted = KVTierEvictedMachine.TestCase
 TestKVTierEvicted.settings = run_settings
 TestKVTierEvictedAfterAHit = KVTierEvictedAfterAHitMachine.TestCase
 TestKVTierEvictedAfterAHit.settings = run_settings
+TestKVTierFullAndSliding = KVTierFullAndSlidingMachine.TestCase
+TestKVTierFullAndSliding.settings = group_settings
+TestKVTierSlidingOnlyEvicted = KVTierSlidingOnlyEvictedMachine.TestCase
+TestKVTierSlidingOnlyEvicted.settings = group_settings
