@@ -22,7 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from pagedserve.attention import get_backend
 from pagedserve.attention.kv_cache import allocate_kv_cache
@@ -32,6 +32,13 @@ pytest_plugins = ["tests.lora.lora_fixtures", "tests.dashboard.browser"]  # fixt
 _DIMS = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+)
+GEMMA3_TEXT = dict(
+    _DIMS, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+    final_logit_softcapping=8.0,
 )
 # Each variant exercises what sets its architecture apart.
 TINY_CONFIGS = {
@@ -46,6 +53,9 @@ TINY_CONFIGS = {
     "qwen3": lambda: Qwen3Config(  # q/k norm, head_dim != hidden / heads, one sliding layer
         **_DIMS, head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1,
     ),
+    # (1 + w) norms, sandwich norms, gelu-tanh, scaled embedding, query_pre_attn_scalar != head_dim,
+    # sliding and full layers with their own RoPE (linear scaling on the full ones), final soft-capping.
+    "gemma3": lambda: Gemma3TextConfig(**GEMMA3_TEXT),
 }
 ARCHS = list(TINY_CONFIGS)
 
