@@ -191,6 +191,10 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
                      rope_theta=5e5),
          dict(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+        (LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+         dict(rope_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_rope_theta=None,
+              hidden_act="silu", norm_unit_offset=False, sandwich_norms=False, embed_scale=None,
+              attention_scale=None, final_logit_softcapping=None)),
     ],
 )
 def test_model_config_from_hf(hf, expected):
