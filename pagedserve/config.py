@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.kv.groups import KVLayout
+
 if TYPE_CHECKING:
     import torch
 
@@ -153,6 +155,9 @@ class EngineConfig:
     max_model_len: int | None = _setting(None, "the longest prompt + output (default: the model's context, "
                                                "capped by the KV pool)")
     enable_prefix_caching: bool = _setting(True, "share the KV blocks of common prompt prefixes across requests")
+    disable_hybrid_kv_cache: bool = _setting(
+        False, "keep every layer's K/V for every token, sliding windows only masked (one block table per "
+        "request), instead of a table per KV cache group whose sliding windows free their blocks")
     attention_backend: str = _setting(
         "auto", "torch (the CPU path, with a C decode kernel), triton (GPU kernels); auto: triton on CUDA when "
         "installed, else torch", ATTENTION_BACKENDS)
@@ -288,9 +293,11 @@ class EngineConfig:
         return self.device.startswith("cuda") and self.num_kv_blocks is None and self.kv_cache_memory_bytes is None
 
     def resolve_kv_pool(self, kv_bytes_per_token: int, model_max_len: int,
-                        measured_budget: int | None = None) -> tuple[int, int]:
-        """(num_kv_blocks, max_model_len) for a model with this KV footprint and context.
-        measured_budget: the bytes profiling found free on a GPU (see `measures_kv_budget`)."""
+                        measured_budget: int | None = None, layout: KVLayout | None = None) -> tuple[int, int]:
+        """(num_kv_blocks, max_model_len) for a model with this KV footprint (bytes of one token
+        slot of a block) and context. measured_budget: the bytes profiling found free on a GPU (see
+        `measures_kv_budget`); layout: the model's KV cache groups (default: one full-attention group),
+        which decide how long a request the pool holds."""
         num_blocks = self.num_kv_blocks
         if num_blocks is None:
             budget = self.kv_cache_memory_bytes or measured_budget or DEFAULT_CPU_KV_CACHE_BYTES
@@ -298,13 +305,19 @@ class EngineConfig:
             if num_blocks < 1:
                 source = "kv_cache_memory_bytes" if self.kv_cache_memory_bytes else "the KV budget"
                 raise ValueError(f"{source} ({budget} bytes) holds no block of {self.block_size} tokens")
-        capacity = num_blocks * self.block_size
+        layout = layout or KVLayout.uniform(1)
+        limit = max(model_max_len, self.max_model_len or 0)
+        capacity = layout.max_tokens(num_blocks, self.block_size, self.max_num_batched_tokens, limit)
         if self.max_model_len is None:
+            if capacity < 1:
+                raise ValueError(f"the KV pool ({num_blocks} blocks) holds no request of the model's KV cache groups")
             return num_blocks, min(model_max_len, capacity)
         if self.max_model_len > capacity:
+            holds = f"{num_blocks} blocks x {self.block_size} = {num_blocks * self.block_size} tokens" \
+                if layout.num_groups == 1 else f"{num_blocks} blocks over {layout.num_groups} KV cache groups"
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the KV pool holds "
-                f"({num_blocks} blocks x {self.block_size} = {capacity} tokens): "
+                f"({holds}, at most {capacity} tokens): "
                 "raise num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
             )
         self.check_max_model_len(model_max_len)

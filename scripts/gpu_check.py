@@ -76,6 +76,11 @@ def main() -> None:
         out = triton_paged.paged_attention(q, k, v, kc, vc, md, dim**-0.5)
         ref = torch_ref.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), md, dim**-0.5)
         print(f"correctness heads {heads}/{kv_heads} dim {dim} {dtype}: max abs err {(out.float() - ref).abs().max():.2e}")
+        sinks = torch.linspace(-8, 8, heads, device=device)  # gpt-oss: a logit per query head, no value
+        out = triton_paged.paged_attention(q, k, v, kc, vc, md, dim**-0.5, 64, None, sinks)
+        ref = torch_ref.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), md, dim**-0.5, 64,
+                                        None, sinks)
+        print(f"  sinks, window 64: max abs err {(out.float() - ref).abs().max():.2e}")
 
         fp8_ok = dtype == torch.bfloat16 and triton_paged.fp8_supported(device) is None
         if fp8_ok:  # the same step on an fp8 cache, against the oracle reading that cache

@@ -73,9 +73,10 @@ class Recorder:
         return lambda *args, **kwargs: self.launches.append(Launch(self.kernel, args, kwargs))
 
 
-def record_step(block_size: int, kv_heads: int, group: int, dim: int, model_dtype, cache_dtype, split: bool):
+def record_step(block_size: int, kv_heads: int, group: int, dim: int, model_dtype, cache_dtype, split: bool,
+                sinks: bool = False):
     """The launches of one step: decodes (one of 70 blocks, so split-K cuts it when `split`),
-    a fresh prompt, and a chunk behind a prefix-cache hit."""
+    a fresh prompt, and a chunk behind a prefix-cache hit; with `sinks`, a layer's sink logits."""
     reqs = [(70 * block_size - 5, 1), (3, 1), (0, 20), (2 * block_size, 7)]  # (cached, new) tokens
     needed = [cdiv(c + n, block_size) for c, n in reqs]
     tables = [list(range(sum(needed[:i]), sum(needed[:i + 1]))) for i in range(len(reqs))]
@@ -94,7 +95,8 @@ def record_step(block_size: int, kv_heads: int, group: int, dim: int, model_dtyp
         # As on a GPU: CPU tensors would make bfloat16 products float32 (an interpreter workaround).
         triton_paged.products_in_float32 = lambda q: q.dtype == torch.float32
         kv_scales = torch.ones(2) if cache_dtype == FP8_DTYPE else None
-        triton_paged.paged_attention(q, kv, kv, cache, cache.clone(), md, dim**-0.5, None, kv_scales)
+        sink_logits = torch.zeros(kv_heads * group) if sinks else None
+        triton_paged.paged_attention(q, kv, kv, cache, cache.clone(), md, dim**-0.5, None, kv_scales, sink_logits)
     finally:
         for name, kernel in saved.items():
             setattr(triton_paged, name, kernel)
@@ -126,7 +128,7 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 def variant(launch: Launch) -> str:
     kw = launch.kwargs
-    keys = ("HEAD_DIM", "GROUP_PAD", "BLOCK_SIZE", "SPLIT", "NUM_PARTS", "ROW", "F32", "FP8")
+    keys = ("HEAD_DIM", "GROUP_PAD", "BLOCK_SIZE", "SPLIT", "NUM_PARTS", "ROW", "F32", "FP8", "HAS_SINKS")
     return " ".join(f"{k}={kw[k]}" for k in keys if k in kw)
 
 
@@ -147,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             for dtype_name, model_dtype, cache_dtype in dtypes:
                 if cache_dtype == FP8_DTYPE and arch < 89:
                     continue  # e4m3 needs sm_89+ (triton_paged.fp8_supported)
-                for split in (False, True):
-                    for launch in record_step(block_size, kv_heads, group, dim, model_dtype, cache_dtype, split):
+                for split, sinks in ((False, False), (True, False), (False, True), (True, True)):
+                    for launch in record_step(block_size, kv_heads, group, dim, model_dtype, cache_dtype, split,
+                                              sinks):
                         key = (launch.kernel.__name__, str(model_dtype), str(cache_dtype), variant(launch))
                         if key in seen:
                             continue

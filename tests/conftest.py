@@ -22,7 +22,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config, SmolLM3Config)
 
 from pagedserve.attention import get_backend
 from pagedserve.attention.kv_cache import allocate_kv_cache
@@ -52,6 +53,18 @@ TINY_CONFIGS = {
     "qwen2": lambda: Qwen2Config(**_DIMS, tie_word_embeddings=True),  # q/k/v bias
     "qwen3": lambda: Qwen3Config(  # q/k norm, head_dim != hidden / heads, one sliding layer
         **_DIMS, head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+    ),
+    # Fused qkv / gate_up tensors, 12 of 16 dims rotated, a window on every layer, LongRoPE: short
+    # factors below position 64 (the arch tests' sequences stay below it, where generate agrees),
+    # long ones from there (tests/models/test_rope.py).
+    "phi3": lambda: Phi3Config(
+        **_DIMS, pad_token_id=None, partial_rotary_factor=0.75, sliding_window=12, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.05, 1.2, 1.6, 2.5, 3.0],
+                         "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 20.0]},
+    ),
+    # Layer 1 is a NoPE layer (no_rope_layers [1, 0]), which also takes the window; tied embeddings.
+    "smollm3": lambda: SmolLM3Config(
+        **_DIMS, pad_token_id=None, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8,
     ),
     # (1 + w) norms, sandwich norms, gelu-tanh, scaled embedding, query_pre_attn_scalar != head_dim,
     # sliding and full layers with their own RoPE (linear scaling on the full ones), final soft-capping.

@@ -43,9 +43,11 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
-                scale: float, sliding_window: int | None = None, kv_scales: Tensor | None = None) -> Tensor:
+                scale: float, sliding_window: int | None = None, kv_scales: Tensor | None = None,
+                sinks: Tensor | None = None) -> Tensor:
         """Store this step's K/V in their slots, then attend for every request over its whole context:
-        the contract of `torch_ref.paged_attention`."""
+        the contract of `torch_ref.paged_attention` (sinks: the layer's [num_heads] float32 sink
+        logits, gpt-oss style, or None)."""
         ...
 
 

@@ -16,6 +16,12 @@ requests (decodes), batched, and the others, one at a time (`BatchedDecodeMetada
 - elsewhere, multi-token requests run one at a time through torch's fused attention (scores never
   materialised; `_attend_prompt`);
 - masks are built once per step by the first layer and reused by the others (`md.masks`);
+- sinks (gpt-oss: one more logit per query head's softmax, with no value) go into the C kernels as
+  they are; SDPA takes no sink, so its paths give each request one more key and value, both zeros,
+  whose additive bias is its query head's sink logit: softmax over the scores and that 0 + sink is
+  the softmax with the sink, and the zero value adds nothing (`_with_sink_bias`). Exact (the bias
+  is in the queries' dtype: bfloat16 sinks in a bfloat16 model), for one more copy of the gathered
+  K/V and a bias per query head and key;
 - an fp8 cache is gathered as bytes and dequantized per group or request (`kv_cache.gather_blocks`).
 """
 
@@ -41,6 +47,9 @@ from pagedserve.ops import cpu_attention
 # decodes of 150-240 tokens took 6.3 ms per layer in capped groups, 8.7 ms without the cap).
 DECODE_GROUP_RATIO = 0.8
 DECODE_GROUP_MAX_KEYS = 2048
+# A prompt with sinks runs through SDPA in runs of its new tokens whose bias (one value per query
+# head, token and key) holds at most this many elements: 64 MiB in float32.
+SINK_BIAS_MAX_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -119,6 +128,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     kv_scales: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """`torch_ref.paged_attention`'s contract, on the paths in this module's docstring."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -129,30 +139,32 @@ def paged_attention(
 
     if md.num_decodes and cpu_attention.supports(q, k_cache) and cpu_attention.load() is not None:
         cpu_attention.decode_attention(q, k_cache, v_cache, out, md.decode_token_indices, md.decode_block_tables,
-                                    md.decode_seq_lens, scale, sliding_window, kv_scales)
+                                    md.decode_seq_lens, scale, sliding_window, kv_scales, sinks)
     elif md.num_decodes:
-        _decode_in_groups(q, k_blocks, v_blocks, kv_scales, out, md, num_kv_heads, scale, sliding_window)
+        _decode_in_groups(q, k_blocks, v_blocks, kv_scales, out, md, num_kv_heads, scale, sliding_window, sinks)
 
     qsl, prefills = md.query_start_loc_cpu, md.prefill_req_indices
     if prefills and cpu_attention.supports(q, k_cache) and cpu_attention.load() is not None:
         q_starts, num_new, seq_lens, tables = md.prefill_kernel_batch
         cpu_attention.prefill_attention(q.contiguous(), k_cache, v_cache, out, q_starts, num_new, tables,
-                                     seq_lens, scale, sliding_window, kv_scales)
+                                     seq_lens, scale, sliding_window, kv_scales, sinks)
         prefills = []
     for i in prefills:
         start, end, seq_len = qsl[i], qsl[i + 1], md.seq_lens_cpu[i]
         blocks = md.block_tables[i, : cdiv(seq_len, block_size)]
         keys = gather_blocks(k_blocks, blocks, q.dtype, kv_scales[0]).view(-1, num_kv_heads, head_dim)[:seq_len]
         values = gather_blocks(v_blocks, blocks, q.dtype, kv_scales[1]).view(-1, num_kv_heads, head_dim)[:seq_len]
-        out[start:end] = _attend_prompt(q[start:end], keys, values, md, i, scale, sliding_window)
+        out[start:end] = _attend_prompt(q[start:end], keys, values, md, i, scale, sliding_window, sinks)
     return out
 
 
 def _attend_prompt(q: Tensor, keys: Tensor, values: Tensor, md: SdpaMetadata, i: int, scale: float,
-                   window: int | None) -> Tensor:
+                   window: int | None, sinks: Tensor | None) -> Tensor:
     """Attention of multi-token request i's new tokens q [n, heads, dim] over its whole context
     keys, values [seq_len, kv_heads, dim]."""
     (n, num_heads, dim), (seq_len, num_kv_heads, _) = q.shape, keys.shape
+    if sinks is not None:
+        return _attend_prompt_with_sinks(q, keys, values, _prefill_mask(md, i, window), scale, sinks)
     if n == seq_len and window is None:  # a whole prompt: plain causal, no mask to read
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            values.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
@@ -167,8 +179,44 @@ def _attend_prompt(q: Tensor, keys: Tensor, values: Tensor, md: SdpaMetadata, i:
     return o.reshape(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
 
 
+def _attend_prompt_with_sinks(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
+                              sinks: Tensor) -> Tensor:
+    """`_attend_prompt` with sinks (`_with_sink_bias`), given the request's mask [n, seq_len], in
+    runs of new tokens whose bias holds at most SINK_BIAS_MAX_ELEMENTS."""
+    (n, num_heads, dim), (seq_len, num_kv_heads, _) = q.shape, keys.shape
+    group = num_heads // num_kv_heads
+    keys, values = (_with_zero_key(x.transpose(0, 1)[None]) for x in (keys, values))  # [1, kv_heads, keys, dim]
+    hidden = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out = torch.empty_like(q)
+    run = max(1, SINK_BIAS_MAX_ELEMENTS // (num_heads * (seq_len + 1)))
+    for r0 in range(0, n, run):
+        rows = q[r0:r0 + run]
+        m = rows.shape[0]
+        # The query heads that share a KV head are its query rows (head-major), as in `_attend_prompt`.
+        folded = rows.reshape(m, num_kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * m, dim)
+        sink_column = sinks.view(num_kv_heads, group, 1).expand(num_kv_heads, group, m).reshape(1, num_kv_heads, -1, 1)
+        bias = _with_sink_bias(hidden[r0:r0 + m].repeat(group, 1)[None, None], sink_column)
+        o = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scale)
+        out[r0:r0 + m] = o.reshape(num_kv_heads, group, m, dim).permute(2, 0, 1, 3).reshape(m, num_heads, dim)
+    return out
+
+
+def _with_zero_key(x: Tensor) -> Tensor:
+    """Keys or values [..., keys, dim] with one more key of zeros after the others: the sink's."""
+    return torch.cat([x, x.new_zeros(*x.shape[:-2], 1, x.shape[-1])], dim=-2)
+
+
+def _with_sink_bias(bias: Tensor, sink_column: Tensor) -> Tensor:
+    """An additive mask [..., rows, keys] with one more column for `_with_zero_key`'s key: each
+    row's sink logit (sink_column [..., rows, 1], broadcast against bias's leading dims). The zero
+    key's score is 0, so its logit is the sink's; its zero value adds nothing."""
+    shape = torch.broadcast_shapes(bias.shape[:-1], sink_column.shape[:-1])
+    return torch.cat([bias.expand(*shape, bias.shape[-1]), sink_column.to(bias.dtype).expand(*shape, 1)], dim=-1)
+
+
 def _decode_in_groups(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, kv_scales: Tensor, out: Tensor,
-                      md: SdpaMetadata, num_kv_heads: int, scale: float, window: int | None) -> None:
+                      md: SdpaMetadata, num_kv_heads: int, scale: float, window: int | None,
+                      sinks: Tensor | None) -> None:
     """Decodes through SDPA, one `md.decode_groups` group at a time, into out."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     for i, group in enumerate(md.decode_groups):
@@ -178,6 +226,9 @@ def _decode_in_groups(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, kv_scales: 
         values = gather_blocks(v_blocks, group.block_ids, q.dtype, kv_scales[1]).view(shape).transpose(1, 2)
         bias = _decode_bias(md, i, keys.shape[2], window, q.dtype)
         dq = q.index_select(0, group.token_indices).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if sinks is not None:  # a key of zeros whose bias is each query head's sink (`_with_sink_bias`)
+            keys, values = _with_zero_key(keys), _with_zero_key(values)
+            bias = _with_sink_bias(bias, sinks.view(1, num_kv_heads, -1, 1))
         o = F.scaled_dot_product_attention(dq, keys, values, attn_mask=bias, scale=scale)
         # reshape: CUDA's SDPA kernels may return o with strides a view cannot merge
         out.index_copy_(0, group.token_indices, o.reshape(n, num_heads, head_dim))

@@ -8,8 +8,12 @@ everything else itself, one request at a time and by explicit indexing:
 - its context is read back block by block through its block table, as the step's dtype (an fp8
   cache times its layer's scale);
 - attention is transformers' eager attention: scores scaled after q @ k^T, keys a query may not
-  see (later positions, outside the sliding window) at -inf, softmax in float32, then @ V.
-Slow, runs wherever torch does, and equal bit for bit to the torch backend's prefill arithmetic.
+  see (later positions, outside the sliding window) at -inf, softmax in float32, then @ V;
+- with sinks (gpt-oss), each query head's sink logit is one more column of its scores: the
+  softmax runs over scores and sink together, then the sink's column is dropped (it takes
+  probability mass and adds no value), as transformers' gpt-oss eager attention does.
+Slow, runs wherever torch does, and (without sinks) equal bit for bit to the torch backend's
+prefill arithmetic.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     kv_scales: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Store this step's K/V in their slots, then attend for every request over its whole context.
 
@@ -39,7 +44,8 @@ def paged_attention(
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim]. A token at context position p sees positions
     p - sliding_window < j <= p (all j <= p without a window). kv_scales: the layer's K and V
-    scales, read by an fp8 cache (default 1.0).
+    scales, read by an fp8 cache (default 1.0). sinks: [num_heads] float32, each query head's sink
+    logit (None: no sinks).
     """
     k_scale, v_scale = (1.0, 1.0) if kv_scales is None else (kv_scales[0], kv_scales[1])
     tables = md.block_tables.tolist()
@@ -56,7 +62,8 @@ def paged_attention(
         keys = _read_context(k_cache, table, seq_lens[i], q.dtype, k_scale)
         values = _read_context(v_cache, table, seq_lens[i], q.dtype, v_scale)
         first_pos = seq_lens[i] - (qsl[i + 1] - qsl[i])
-        out[qsl[i]:qsl[i + 1]] = _attend(q[qsl[i]:qsl[i + 1]], keys, values, first_pos, scale, sliding_window)
+        out[qsl[i]:qsl[i + 1]] = _attend(q[qsl[i]:qsl[i + 1]], keys, values, first_pos, scale, sliding_window,
+                                         sinks)
     return out
 
 
@@ -74,7 +81,8 @@ def _read_context(cache: Tensor, table: list[int], seq_len: int, dtype: torch.dt
     return torch.cat(blocks)[:seq_len]
 
 
-def _attend(q: Tensor, keys: Tensor, values: Tensor, first_pos: int, scale: float, window: int | None) -> Tensor:
+def _attend(q: Tensor, keys: Tensor, values: Tensor, first_pos: int, scale: float, window: int | None,
+            sinks: Tensor | None) -> Tensor:
     """One request's attention: q [n, heads, dim] at context positions first_pos .. first_pos+n-1
     over keys, values [seq_len, kv_heads, dim]. Returns [n, heads, dim].
 
@@ -96,6 +104,11 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, first_pos: int, scale: floa
         allowed &= key_pos > query_pos - window
     scores = scores.view(num_kv_heads, group, n, seq_len).masked_fill(~allowed, float("-inf"))
 
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs.view(num_kv_heads, group * n, seq_len), values.transpose(0, 1))
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink_column = sinks.float().view(num_kv_heads, group, 1, 1).expand(num_kv_heads, group, n, 1)
+        with_sinks = F.softmax(torch.cat([scores.float(), sink_column], dim=-1), dim=-1)
+        probs = with_sinks[..., :seq_len].to(q.dtype)
+    out = torch.matmul(probs.reshape(num_kv_heads, group * n, seq_len), values.transpose(0, 1))
     return out.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)

@@ -16,6 +16,11 @@ float32: float32 in full IEEE precision (no TF32), bfloat16/float16 on tensor co
 (`kv_quant`) is written as x / scale, rounded to nearest even as torch rounds, and read with its
 per-tensor scales folded into the scores (K) and the output (V), not into every element.
 
+Sinks (gpt-oss: one more logit per query head's softmax, with no value) start each row's online
+softmax (`_start_softmax`): running maximum the sink's logit, denominator its exp(0) = 1, output 0,
+so the keys that follow rescale the sink's term as they would an earlier key's. Split decode starts
+only part 0 so; `_combine` then merges it like any part.
+
 Tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors). The interpreter
 checks neither tl.dot's minimum of 16 per dimension nor out-of-bounds loads, so every tile load
 here is masked (scalar loads of tables and lengths stay in bounds by construction) and tl.dot is
@@ -128,6 +133,17 @@ def _weighted(p, v, USE_DOT: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
+def _start_softmax(Sinks, heads, valid, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The running maximum and softmax denominator [ROWS] before any key, of query heads `heads`
+    (rows where `valid`): the sink logit alone (and exp(0) = 1), or nothing yet, at a finite start
+    for the maximum (a block whose keys are all hidden adds exp(-inf) = 0)."""
+    if HAS_SINKS:
+        m = tl.load(Sinks + heads, mask=valid, other=-1e30).to(tl.float32)
+        return m, tl.where(valid, 1.0, 0.0)
+    return tl.full([ROWS], -1e30, tl.float32), tl.zeros([ROWS], tl.float32)
+
+
+@triton.jit
 def _online_softmax(s, v, m, denom, acc, USE_DOT: tl.constexpr, F32: tl.constexpr):
     """Fold one block of scores s [M, N] (hidden keys at -inf) and values v [N, D] into the running
     maximum m [M], softmax denominator [M] and unnormalised output acc [M, D]."""
@@ -139,10 +155,10 @@ def _online_softmax(s, v, m, denom, acc, USE_DOT: tl.constexpr, F32: tl.constexp
 
 @triton.jit
 def _decode(Q, KCache, VCache, Out, PartMax, PartDenom, PartAcc, token_indices, block_tables, seq_lens,
-            table_stride, scale, window, part_blocks, Scales,
+            table_stride, scale, window, part_blocks, Scales, Sinks,
             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
             HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_DOT: tl.constexpr,
-            SPLIT: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr):
+            SPLIT: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (r, kv_head, part) attends over blocks part * part_blocks .. + part_blocks of decode
     r. Unsplit (one part), it writes the output; split, it writes its running maximum, softmax
     denominator and unnormalised output for `_combine`."""
@@ -161,9 +177,9 @@ def _decode(Q, KCache, VCache, Out, PartMax, PartDenom, PartAcc, token_indices, 
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(Q + q_rows[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
 
-    # Finite start for the running maximum: a block whose keys are all hidden adds exp(-inf) = 0.
-    m = tl.full([GROUP_PAD], -1e30, tl.float32)
-    denom = tl.zeros([GROUP_PAD], tl.float32)
+    # The sinks join the softmax once: in part 0 (the only part when unsplit).
+    first_part = g * 0 + part == 0  # broadcast to a block: a scalar in a mask breaks the interpreter
+    m, denom = _start_softmax(Sinks, kv_head * GROUP + g, (g < GROUP) & first_part, GROUP_PAD, HAS_SINKS)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     start = tl.maximum(first // BLOCK_SIZE, part * part_blocks)
     for b in range(start, tl.minimum(tl.cdiv(seq_len, BLOCK_SIZE), (part + 1) * part_blocks)):
@@ -200,7 +216,7 @@ def _combine(Out, PartMax, PartDenom, PartAcc, token_indices, NUM_HEADS: tl.cons
     m = tl.load(PartMax + rows, mask=p < NUM_PARTS, other=-1e30)
     denom = tl.load(PartDenom + rows, mask=p < NUM_PARTS, other=0.0)
     acc = tl.load(PartAcc + rows[:, None] * HEAD_PAD + d[None, :], mask=(p < NUM_PARTS)[:, None], other=0.0)
-    weight = tl.exp(m - tl.max(m, axis=0))  # parts that saw no key have m = -1e30: weight 0
+    weight = tl.exp(m - tl.max(m, axis=0))  # parts that saw no key nor sink have m = -1e30: weight 0
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(denom * weight, axis=0)
     token = tl.load(token_indices + r)
     tl.store(Out + (token * NUM_HEADS + head) * HEAD_DIM + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
@@ -208,9 +224,9 @@ def _combine(Out, PartMax, PartDenom, PartAcc, token_indices, NUM_HEADS: tl.cons
 
 @triton.jit
 def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables, seq_lens, table_stride, scale,
-             window, Scales, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+             window, Scales, Sinks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
              HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
-             FP8: tl.constexpr, F32: tl.constexpr):
+             FP8: tl.constexpr, F32: tl.constexpr, HAS_SINKS: tl.constexpr):
     r = tl.load(req_indices + tl.program_id(0))
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -232,8 +248,7 @@ def _prefill(Q, KCache, VCache, Out, req_indices, query_start_loc, block_tables,
     # Keys this tile can see: up to its last row's position, from its first row's window start.
     last = tl.minimum(seq_len - num_new + (tile + 1) * BLOCK_M, seq_len)
     first = tl.where(window > 0, tl.maximum(seq_len - num_new + tile * BLOCK_M - window + 1, 0), 0)
-    m = tl.full([BLOCK_M], -1e30, tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
+    m, denom = _start_softmax(Sinks, head + rows * 0, row_ok, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     for b in range(first // BLOCK_SIZE, tl.cdiv(last, BLOCK_SIZE)):
         block = tl.load(block_tables + r * table_stride + b)
@@ -281,6 +296,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     kv_scales: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """`torch_ref.paged_attention`'s contract, on Triton kernels (CUDA, or the interpreter)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -295,6 +311,10 @@ def paged_attention(
 
     out = torch.empty_like(q)
     window = sliding_window or 0
+    has_sinks = sinks is not None
+    if has_sinks and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must hold one logit per query head ({num_heads}), got shape {tuple(sinks.shape)}")
+    sinks = sinks.contiguous() if has_sinks else kv_scales  # unread without sinks: any pointer will do
     head_pad = triton.next_power_of_2(head_dim)
     tables = md.block_tables
     use_dot = block_size >= 16  # tl.dot takes tiles of 16 or more (decode pads its query heads to 16)
@@ -311,10 +331,10 @@ def paged_attention(
                     for extra in ((), (), (head_pad,))] if parts > 1 else [out] * 3  # unread when unsplit
         _decode[(n, num_kv_heads, parts)](
             q, k_cache, v_cache, out, *partials, md.decode_token_indices, md.decode_block_tables,
-            md.decode_seq_lens, md.decode_block_tables.stride(0), scale, window, part_blocks, kv_scales,
+            md.decode_seq_lens, md.decode_block_tables.stride(0), scale, window, part_blocks, kv_scales, sinks,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(triton.next_power_of_2(group), 16 if use_dot else 1), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size, USE_DOT=use_dot, SPLIT=parts > 1, FP8=fp8, F32=f32,
+            BLOCK_SIZE=block_size, USE_DOT=use_dot, SPLIT=parts > 1, FP8=fp8, F32=f32, HAS_SINKS=has_sinks,
         )
         if parts > 1:
             _combine[(n, num_heads)](out, *partials, md.decode_token_indices, NUM_HEADS=num_heads, NUM_PARTS=parts,
@@ -322,8 +342,9 @@ def paged_attention(
     if md.prefill_req_indices:
         _prefill[(len(md.prefill_req_indices), num_heads, triton.cdiv(md.max_query_len, BLOCK_M))](
             q, k_cache, v_cache, out, md.prefill_req_ids, md.query_start_loc, tables, md.seq_lens, tables.stride(0),
-            scale, window, kv_scales, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            scale, window, kv_scales, sinks, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, USE_DOT=use_dot, FP8=fp8, F32=f32,
+            HAS_SINKS=has_sinks,
         )
     return out
 

@@ -152,15 +152,18 @@ class EngineCore:
             if config.measures_kv_budget else None
         # Under tensor parallelism a block holds each rank's share of the KV heads.
         kv_heads = kv_heads_per_rank(model_config.num_kv_heads, config.tensor_parallel_size)
-        kv_bytes_per_token = model_config.kv_bytes_per_token(config.kv_torch_dtype, kv_heads)
+        layout = model_config.kv_layout(config.disable_hybrid_kv_cache)
+        kv_bytes_per_token = model_config.kv_bytes_per_block_token(config.kv_torch_dtype, kv_heads,
+                                                                   config.disable_hybrid_kv_cache)
         draft = self.executor.draft_proposer()
         if draft is not None:  # a draft model's K/V shares the pool's blocks: each block holds both
             kv_bytes_per_token += draft.kv_bytes_per_token(config.kv_torch_dtype)
-        self.num_blocks, self.max_model_len = config.resolve_kv_pool(kv_bytes_per_token, model_max_len, measured)
+        self.num_blocks, self.max_model_len = config.resolve_kv_pool(kv_bytes_per_token, model_max_len, measured,
+                                                                     layout)
         self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                  tier=self.executor.kv_tier(), offload_policy=config.kv_offload_policy,
-                                 offload_min_hits=config.kv_offload_min_hits)
+                                 offload_min_hits=config.kv_offload_min_hits, windows=layout.windows)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_mode, config.max_loras if config.enable_lora else None)
         self.kv_viewer = KVViewer(self.kv, self.scheduler)

@@ -47,7 +47,7 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each request runs now, drafts included
     # Per request, the draft tokens it runs after its last known one (speculative decoding; else []).
     spec_token_ids: list[list[int]] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # per request, see above
+    new_block_ids: list[list[list[int]]] = field(default_factory=list)  # per request, per KV cache group, see above
     new_tables: list[bool] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, before writing
     # The KV tier's transfers, before anything else: blocks to copy out (they may be reused in this
@@ -70,7 +70,7 @@ class SchedulerOutput:
     def has_drafts(self) -> bool:
         return any(self.spec_token_ids)
 
-    def add(self, request: Request, num_new_tokens: int, block_ids: list[int], new_table: bool,
+    def add(self, request: Request, num_new_tokens: int, block_ids: list[list[int]], new_table: bool,
             spec_token_ids: list[int] = ()) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
@@ -163,7 +163,7 @@ class Scheduler:
             new_table = request.request_id in self._new_to_runner
             self._new_to_runner.discard(request.request_id)
             first = 0 if new_table else request.num_computed_tokens // self.kv.block_size
-            out.add(request, num_new + len(drafts), self.kv.block_ids(request.request_id, first), new_table, drafts)
+            out.add(request, num_new + len(drafts), self.kv.group_block_ids(request.request_id, first), new_table, drafts)
             out.block_copies += copies
             budget -= num_new + len(drafts)
             i += 1
@@ -200,7 +200,7 @@ class Scheduler:
             if lora_id is not None:
                 adapters.add(lora_id)
             num_new = self.kv.num_tokens(request.request_id) - num_cached
-            out.add(request, num_new, self.kv.block_ids(request.request_id), True)
+            out.add(request, num_new, self.kv.group_block_ids(request.request_id), True)
             budget -= num_new
         self.waiting.extendleft(reversed(passed_over))
         out.kv_stores, out.kv_loads = self.kv.take_transfers()

@@ -20,6 +20,12 @@ def cmd_kv_calc(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> None:
+    if args.part == "layouts":
+        from pagedserve.bench.memory_layouts import layouts_table, run_layouts_bench
+
+        budget = int(args.kv_budget_gib * 2**30)
+        print(layouts_table(run_layouts_bench(budget, tuple(args.contexts)), budget))
+        return
     from pagedserve.bench.memory import run_memory_bench, write_outputs
 
     setup, results = run_memory_bench(
@@ -694,6 +700,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     mem = bench.add_parser("memory", help="contiguous vs paged KV allocation on one synthetic trace")
+    mem.add_argument("--part", choices=["trace", "layouts"], default="trace",
+                     help="trace: contiguous vs paged on the synthetic trace; layouts: models mixing full and "
+                          "sliding-window layers (Gemma-3-27B, gpt-oss-20b, a 4k-window Mistral), KV cache groups "
+                          "vs a uniform pool at long contexts")
+    mem.add_argument("--kv-budget-gib", type=float, default=64.0, help="layouts: the KV budget")
+    mem.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072], help="layouts: context lengths")
     mem.add_argument("--num-requests", type=int, default=1000)
     mem.add_argument("--seed", type=int, default=0)
     mem.add_argument("--kv-budget-tokens", type=int, default=65536, help="KV budget in token slots")

@@ -6,7 +6,7 @@ addresses them by `block_id`.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Hashable, Iterable, Iterator
 
 from pagedserve.kv.watch import KVWatchLog
 
@@ -14,7 +14,7 @@ from pagedserve.kv.watch import KVWatchLog
 class Block:
     """One physical block of `block_size` token slots."""
 
-    __slots__ = ("block_id", "ref_count", "num_tokens", "block_hash", "num_hits", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "num_tokens", "block_hash", "num_hits", "group", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -23,9 +23,11 @@ class Block:
         # are shared by the prefix cache, and a shared partial block is copied before a write.
         # Kept while the block is free (a cached block still holds its tokens).
         self.num_tokens = 0
-        # Set while the block holds a full block of cached prefix that others may hit.
-        self.block_hash: bytes | None = None
+        # Set while the block holds a full block of cached prefix that others may hit: the prefix
+        # cache's key of it (kv_cache_manager.CacheKey).
+        self.block_hash: Hashable | None = None
         self.num_hits = 0  # times the prefix cache served it since it was cached
+        self.group = 0  # the KV cache group whose tokens it holds (kv/groups.py), set when allocated
         # Links of the intrusive free queue; both None while the block is in use.
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
@@ -107,13 +109,13 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[bytes, Block] = {}
+        self.cached: dict[Hashable, Block] = {}
         self.num_cached_free = 0  # free blocks that still hold a findable cached prefix
         self.num_filled_slots = 0  # sum of `num_tokens` over the blocks in use
         # (block id, hash, hits) of each cached block that `allocate` evicted, when recorded (a KV
         # tier that receives blocks as they are evicted); its owner empties it.
         self.record_evictions = False
-        self.evicted: list[tuple[int, bytes, int]] = []
+        self.evicted: list[tuple[int, Hashable, int]] = []
         self.watch: KVWatchLog | None = None  # while the live view watches: what changed
 
     @property
@@ -124,8 +126,9 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    def allocate(self, n: int) -> list[Block]:
-        """Take `n` free blocks (ref count 1 each), evicting cached content in LRU order."""
+    def allocate(self, n: int, group: int = 0) -> list[Block]:
+        """Take `n` free blocks (ref count 1 each) for KV cache group `group`, evicting cached
+        content in LRU order."""
         if n > len(self.free_queue):
             raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
         taken = []
@@ -141,6 +144,7 @@ class BlockPool:
                               f"(hit {block.num_hits} times) to reuse it")
             self._forget(block)
             block.ref_count = 1
+            block.group = group
             block.num_tokens = 0  # whatever it held is overwritten
             taken.append(block)
         return taken
@@ -184,10 +188,10 @@ class BlockPool:
         self.num_filled_slots += num_tokens - block.num_tokens
         block.num_tokens = num_tokens
 
-    def lookup(self, block_hash: bytes) -> Block | None:
+    def lookup(self, block_hash: Hashable) -> Block | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
-    def cache(self, block: Block, block_hash: bytes) -> bool:
+    def cache(self, block: Block, block_hash: Hashable) -> bool:
         """Make a full, in-use block findable by its content hash; True if it now is.
 
         If another block already holds the same content, the first one stays the cached copy

@@ -31,6 +31,7 @@ block is hashed once in the request's life, across failed admissions and preempt
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from array import array
 from concurrent.futures import Future
@@ -100,15 +101,35 @@ class KVCacheStats:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
+NULL_BLOCK_ID = 0  # what a table entry a window no longer reads points at (masked, never written)
+CacheKey = Hashable  # the prefix cache's key of a block: its hash (group 0) or (group, hash)
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """One KV cache group's share of the pool."""
+
+    window: int | None  # None: full attention
+    used_blocks: int
+    filled_slots: int
+    block_size: int
+
+    @property
+    def waste(self) -> float:
+        reserved = self.used_blocks * self.block_size
+        return 1.0 - self.filled_slots / reserved if reserved else 0.0
+
+
 class _Table:
-    """What the manager knows about one request."""
+    """What the manager knows about one request: a block table per KV cache group."""
 
-    __slots__ = ("blocks", "block_ids", "num_tokens", "hashes", "num_offered", "extra_keys")
+    __slots__ = ("groups", "group_ids", "num_tokens", "hashes", "num_offered", "extra_keys")
 
-    def __init__(self, blocks: list[Block], num_tokens: int, hashes: list[bytes], num_offered: int,
+    def __init__(self, groups: list[list[Block | None]], num_tokens: int, hashes: list[bytes], num_offered: int,
                  extra_keys: object):
-        self.blocks = blocks
-        self.block_ids = [b.block_id for b in blocks]  # kept beside `blocks`: read every step
+        # Per group, its logical blocks; None where a block lies wholly before the group's window.
+        self.groups = groups
+        self.group_ids = [[NULL_BLOCK_ID if b is None else b.block_id for b in blocks] for blocks in groups]
         self.num_tokens = num_tokens  # tokens with a slot reserved (computed or scheduled now)
         # Chained hashes of the request's leading full blocks (the caller's list, or the
         # table's own); may run ahead of the table, after a prefix lookup of the whole prompt.
@@ -116,15 +137,51 @@ class _Table:
         self.num_offered = num_offered  # leading blocks already offered to the prefix cache
         self.extra_keys = extra_keys
 
+    @property
+    def blocks(self) -> list[Block | None]:
+        """The first group's table (the only one of a model with one kind of layer)."""
+        return self.groups[0]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.group_ids[0]
+
+    def held(self) -> list[Block]:
+        """Every block the table holds, group by group."""
+        return [b for blocks in self.groups for b in blocks if b is not None]
+
+
+@dataclass
+class _Hit:
+    """A prefix-cache hit of `num_blocks` leading blocks: per group, the index of its first block
+    the hit gives (a sliding group needs only its last window) and, from there on, each block taken
+    from the pool (a Block) or loaded from the tier (its tier key)."""
+
+    num_blocks: int
+    starts: list[int]
+    entries: list[list[Block | bytes]]
+
+    def pool_blocks(self) -> list[Block]:
+        return [e for entries in self.entries for e in entries if isinstance(e, Block)]
+
+    def num_loads(self) -> int:
+        return sum(1 for entries in self.entries for e in entries if not isinstance(e, Block))
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, *,
-                 tier: Any = None, offload_policy: str = "evicted", offload_min_hits: int = 0):
+                 tier: Any = None, offload_policy: str = "evicted", offload_min_hits: int = 0,
+                 windows: Sequence[int | None] = (None,)):
+        """windows: one entry per KV cache group (kv/groups.py), its sliding window or None (full
+        attention); by default one full-attention group."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if offload_policy not in ("write_through", "evicted"):
             raise ValueError(f"offload_policy must be 'write_through' or 'evicted', got {offload_policy!r}")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must name at least one group, each None or a positive window: {windows!r}")
         self.block_size = block_size
+        self.windows = tuple(windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.tier = tier if enable_prefix_caching else None  # keyed by the prefix cache's hashes
@@ -145,14 +202,23 @@ class KVCacheManager:
         self.prefix_hits = 0
         self.cow_copies = 0
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
     # ---- queries -------------------------------------------------------------------------
 
     def __contains__(self, req_id: RequestId) -> bool:
         return req_id in self._tables
 
-    def block_ids(self, req_id: RequestId, start: int = 0) -> list[int]:
-        """The request's block table from logical block `start` on (a copy)."""
-        return self._tables[req_id].block_ids[start:]
+    def block_ids(self, req_id: RequestId, start: int = 0, group: int = 0) -> list[int]:
+        """One group's block table of the request from logical block `start` on (a copy);
+        NULL_BLOCK_ID where a block fell out of a sliding window."""
+        return self._tables[req_id].group_ids[group][start:]
+
+    def group_block_ids(self, req_id: RequestId, start: int = 0) -> list[list[int]]:
+        """Every group's `block_ids` from logical block `start` on."""
+        return [ids[start:] for ids in self._tables[req_id].group_ids]
 
     def num_tokens(self, req_id: RequestId) -> int:
         return self._tables[req_id].num_tokens
@@ -164,7 +230,8 @@ class KVCacheManager:
     def find_cached_prefix(
         self, token_ids: Sequence[int], extra_keys: object = None, block_hashes: list[bytes] | None = None
     ) -> list[Block]:
-        """The longest run of cached full blocks that starts `token_ids`.
+        """The longest cached prefix of `token_ids` every group can serve, as the first group's
+        blocks of it (a sliding group's: those of its last window).
 
         At least the last token is always left out, so the model still has one token to run
         and produce logits from. `block_hashes` (the chained hashes of `token_ids`' leading
@@ -173,35 +240,98 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         hashes = [] if block_hashes is None else block_hashes
-        return self._leading_blocks(token_ids, extra_keys, hashes, 0, self.pool.lookup)
+        return self._find_hit(token_ids, extra_keys, hashes, use_tier=False).entries[0]
 
-    def _leading_blocks(self, token_ids: Sequence[int], extra_keys: object, hashes: list[bytes], start: int,
-                        find) -> list:
-        """`find(hash)` of each full block of `token_ids` from `start` on, up to the first it gives
-        None for, never reaching the block of the last token. Hashes are made lazily: a miss ends
-        the walk."""
-        found = []
-        for i in range(start, (len(token_ids) - 1) // self.block_size):
-            self._hash_blocks(hashes, token_ids, i + 1, extra_keys)
-            item = find(hashes[i])
-            if item is None:
+    def _key(self, group: int, block_hash: bytes) -> CacheKey:
+        """The prefix cache's key of a block of `group` holding the tokens `block_hash` names."""
+        return block_hash if group == 0 else (group, block_hash)
+
+    @staticmethod
+    def _tier_key(key: CacheKey) -> bytes:
+        """The tier's 32-byte name of the block a cache key names."""
+        if isinstance(key, bytes):
+            return key
+        group, block_hash = key
+        return hashlib.sha256(block_hash + group.to_bytes(4, "little")).digest()
+
+    def _find_hit(self, token_ids: Sequence[int], extra_keys: object, hashes: list[bytes], use_tier: bool,
+                  unavailable: frozenset = frozenset()) -> _Hit:
+        """The longest prefix of whole blocks that every group can serve from the pool (or, with
+        `use_tier`, from the tier too, except the tier keys in `unavailable`): a full-attention group
+        needs every block before the hit point, a sliding group the blocks its window reads from
+        there. Hashes are made lazily; the block of the last token is never part of a hit."""
+        bs, tier = self.block_size, self.tier if use_tier else None
+        limit = (len(token_ids) - 1) // bs
+
+        def find(g: int, i: int) -> Block | bytes | None:
+            key = self._key(g, hashes[i])
+            block = self.pool.lookup(key)
+            if block is not None or tier is None:
+                return block
+            name = self._tier_key(key)
+            return name if name in tier and name not in unavailable else None
+
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        found: dict[tuple[int, int], Block | bytes] = {}
+        reach = 0  # blocks every full group can serve
+        while reach < limit:
+            self._hash_blocks(hashes, token_ids, reach + 1, extra_keys)
+            items = [find(g, reach) for g in full]
+            if any(item is None for item in items):
                 break
-            found.append(item)
-        return found
+            found.update(((g, reach), item) for g, item in zip(full, items))
+            reach += 1
+        if len(full) == len(self.windows):
+            num = reach
+        else:  # the longest hit point up to `reach` at which every sliding group has its window cached
+            if not full:
+                self._hash_blocks(hashes, token_ids, limit, extra_keys)
+            num = reach
+            while num > 0:
+                ok = True
+                for g, w in enumerate(self.windows):
+                    if w is None:
+                        continue
+                    for i in range(self._window_start(g, num * bs), num):
+                        if (g, i) not in found:
+                            item = find(g, i)
+                            if item is None:
+                                ok = False
+                                break
+                            found[(g, i)] = item
+                    if not ok:
+                        break
+                if ok:
+                    break
+                num -= 1
+        starts = [self._window_start(g, num * bs) for g in range(self.num_groups)]
+        entries = [[found[(g, i)] for i in range(starts[g], num)] for g in range(self.num_groups)]
+        return _Hit(num, starts, entries)
+
+    def _window_start(self, group: int, position: int) -> int:
+        """The first block a query at `position` (or later) can read in `group`: 0 for full attention."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
 
     def prefetch(self, token_ids: Sequence[int], extra_keys: object = None,
                  block_hashes: list[bytes] | None = None) -> TierRead | None:
         """Start bringing into memory the tier's blocks that an admission of `token_ids` would load
-        now (those past the pool's cached prefix), for the caller to wait on outside its step; None
+        now (those the pool's cached prefix lacks), for the caller to wait on outside its step; None
         when there is nothing to wait for (no tier, no such block, all of them in memory already,
         or the tier reads nothing now). Changes no figure and no block: only `block_hashes` grows."""
         if self.tier is None:
             return None
         hashes = [] if block_hashes is None else block_hashes
-        hit = self.find_cached_prefix(token_ids, extra_keys, hashes)
-        in_tier = self._leading_blocks(token_ids, extra_keys, hashes, len(hit), lambda h: h if h in self.tier else None)
-        future = self.tier.prefetch(in_tier) if in_tier else None
-        return TierRead(future, time.monotonic() + self.tier.read_timeout) if future is not None else None
+        hit = self._find_hit(token_ids, extra_keys, hashes, use_tier=True)
+        futures = []
+        for entries in hit.entries:
+            names = [e for e in entries if not isinstance(e, Block)]
+            future = self.tier.prefetch(names) if names else None
+            if future is not None:
+                futures.append(future)
+        if not futures:
+            return None
+        return TierRead(_all_done(futures), time.monotonic() + self.tier.read_timeout)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (e.g. between benchmark runs). False while any request
@@ -219,12 +349,12 @@ class KVCacheManager:
         block_hashes: list[bytes] | None = None,
         read_cache: bool = True,
     ) -> int | None:
-        """Give a new (or preempted) request a block table.
+        """Give a new (or preempted) request a block table in every group.
 
-        Reuses the longest cached prefix, then reserves slots for up to `num_new_tokens` of the
-        remaining tokens (all of them by default). `read_cache=False` skips the lookup, for a
-        request that needs every prompt position computed (its logits); its full blocks are
-        still offered to the cache. Returns how many tokens came from the prefix
+        Reuses the longest cached prefix every group can serve, then reserves slots for up to
+        `num_new_tokens` of the remaining tokens (all of them by default). `read_cache=False` skips
+        the lookup, for a request that needs every prompt position computed (its logits); its full
+        blocks are still offered to the cache. Returns how many tokens came from the prefix
         cache, or None (and changes nothing but `block_hashes`) when the pool cannot cover it.
 
         `block_hashes` is the request's own list of chained block hashes (empty at first; only
@@ -238,100 +368,156 @@ class KVCacheManager:
         if num_new_tokens is not None and num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         hashes = [] if block_hashes is None else block_hashes
-        hit = self.find_cached_prefix(token_ids, extra_keys, hashes) if read_cache else []
-        in_tier = self._leading_blocks(token_ids, extra_keys, hashes, len(hit),
-                                       lambda h: h if h in self.tier else None) if read_cache and self.tier else []
-        num_revived = sum(1 for b in hit if b.ref_count == 0)
-        if self._blocks_to_admit(len(token_ids), len(hit) + len(in_tier), num_new_tokens) - len(hit) \
-                + num_revived > self.pool.num_free:
+        if read_cache and self.enable_prefix_caching:
+            hit = self._find_hit(token_ids, extra_keys, hashes, use_tier=self.tier is not None)
+        else:
+            hit = _Hit(0, [0] * self.num_groups, [[] for _ in self.windows])
+        if not self._admission_fits(len(token_ids), hit, num_new_tokens):
             return None
         # Taken only once the blocks are sure. The tier serves what it holds in memory (read ahead by
-        # `prefetch`, or not written yet); the first block it holds only as a file, or that failed its
-        # checks, ends the prefix there (fewer cached blocks never need more new ones).
-        payloads = self.tier.read(in_tier) if in_tier else []
-        num_cached = (len(hit) + len(payloads)) * self.block_size
-        num_blocks = self._blocks_to_admit(len(token_ids), len(hit) + len(payloads), num_new_tokens)
-        self.pool.touch(hit)  # hit blocks are full: their token count is already right
-        for block in hit:
-            block.num_hits += 1
-        new_blocks = self.pool.allocate(num_blocks - len(hit))
-        self._loads += [(block.block_id, payload) for block, payload in zip(new_blocks, payloads)]
+        # `prefetch`, or not written yet); a block it holds only as a file, or that failed its
+        # checks, is not part of the hit: the hit is found again without it.
+        payloads: dict[bytes, Any] = {}
+        while hit.num_loads():
+            missing = set()
+            for entries in hit.entries:
+                names = [e for e in entries if not isinstance(e, Block) and e not in payloads]
+                if names:
+                    got = self.tier.read(names)
+                    payloads.update(zip(names, got))
+                    missing.update(names[len(got):])
+            if not missing:
+                break
+            unavailable = frozenset(missing | {n for n in payloads if payloads[n] is None})
+            hit = self._find_hit(token_ids, extra_keys, hashes, use_tier=True, unavailable=unavailable)
+            if not self._admission_fits(len(token_ids), hit, num_new_tokens):
+                return None
+        num_cached = hit.num_blocks * self.block_size
         n = min(len(token_ids) - num_cached, num_new_tokens or len(token_ids))
-        table = _Table(hit + new_blocks, num_cached + n, hashes, len(hit), extra_keys)
+        num_tokens = num_cached + n
+        hit_blocks = hit.pool_blocks()
+        self.pool.touch(hit_blocks)  # hit blocks are full: their token count is already right
+        for block in hit_blocks:
+            block.num_hits += 1
+        groups, first_loaded, num_loaded = [], hit.num_blocks, 0
+        for g, (start, entries) in enumerate(zip(hit.starts, hit.entries)):
+            size = cdiv(num_tokens, self.block_size)
+            fresh = iter(self.pool.allocate(size - start - sum(1 for e in entries if isinstance(e, Block)), g))
+            blocks: list[Block | None] = [None] * start
+            for i, entry in enumerate(entries):
+                if isinstance(entry, Block):
+                    blocks.append(entry)
+                else:  # loaded from the tier into a new block
+                    block = next(fresh)
+                    self._loads.append((block.block_id, payloads[entry]))
+                    first_loaded = min(first_loaded, start + i)
+                    num_loaded += 1
+                    blocks.append(block)
+            groups.append(blocks + list(fresh))
+        table = _Table(groups, num_tokens, hashes, first_loaded, extra_keys)
         self._tables[req_id] = table
-        self._count_tokens(table, len(hit))
+        self._count_tokens(table, 0)
         if read_cache:
             self.prefix_queries += len(token_ids)
         self.prefix_hits += num_cached
-        self.offload_hits += len(payloads) * self.block_size
-        self.offload_loaded_blocks += len(payloads)
+        self.offload_hits += (hit.num_blocks - first_loaded) * self.block_size  # the hit's tokens past the pool's
+        self.offload_loaded_blocks += num_loaded
         self._cache_full_blocks(table, token_ids)  # the loaded blocks too: findable once the step has run
         watch = self.pool.watch
         if watch is not None:
-            if hit or payloads:
-                watch.add("prefix_hit", req_id, [b.block_id for b in hit] + [b.block_id for b in new_blocks[:len(payloads)]],
+            if hit.num_blocks:
+                watch.add("prefix_hit", req_id, hit_ids(table, hit),
                           f"prefix cache hit: {num_cached} of {len(token_ids)} tokens"
-                          + (f" ({len(payloads)} blocks read back from the KV tier)" if payloads else ""))
-            watch.add("admit", req_id, table.block_ids, f"admitted with {table.num_tokens} tokens in "
-                      f"{len(table.blocks)} blocks ({len(hit)} shared from the prefix cache)")
+                          + (f" ({num_loaded} blocks read back from the KV tier)" if num_loaded else ""))
+            watch.add("admit", req_id, [b.block_id for b in table.held()], f"admitted with {table.num_tokens} "
+                      f"tokens in {len(table.held())} blocks ({len(hit_blocks)} shared from the prefix cache)")
         return num_cached
 
-    def _blocks_to_admit(self, num_tokens: int, num_cached_blocks: int, num_new_tokens: int | None) -> int:
-        """The blocks a request of `num_tokens` tokens holds once admitted with this many cached."""
-        num_cached = num_cached_blocks * self.block_size
-        return cdiv(num_cached + min(num_tokens - num_cached, num_new_tokens or num_tokens), self.block_size)
+    def _admission_fits(self, num_tokens: int, hit: _Hit, num_new_tokens: int | None) -> bool:
+        """Whether the pool can give a request of `num_tokens` tokens its tables with this hit."""
+        num_cached = hit.num_blocks * self.block_size
+        size = cdiv(num_cached + min(num_tokens - num_cached, num_new_tokens or num_tokens), self.block_size)
+        hit_blocks = hit.pool_blocks()
+        needed = sum(size - start for start in hit.starts) - len(hit_blocks)
+        return needed + sum(1 for b in hit_blocks if b.ref_count == 0) <= self.pool.num_free
 
     def blocks_needed_to_grow(self, req_id: RequestId, num_new_tokens: int) -> int:
         """Free blocks that `grow(req_id, num_new_tokens)` would take (copy-on-write included)."""
         table = self._tables[req_id]
-        return cdiv(table.num_tokens + num_new_tokens, self.block_size) - len(table.blocks) + int(
-            self._needs_copy_on_write(table)
-        )
+        size = cdiv(table.num_tokens + num_new_tokens, self.block_size)
+        return sum(size - len(blocks) + int(self._needs_copy_on_write(table, g))
+                   for g, blocks in enumerate(table.groups))
 
     def grow(
         self, req_id: RequestId, num_new_tokens: int, token_ids: Sequence[int] | None = None
     ) -> list[BlockCopy] | None:
         """Reserve slots for the request's next `num_new_tokens` tokens.
 
-        A new block is taken exactly when a block boundary is crossed. If the first slot to be
+        First, each sliding-window group lets go of the blocks that lie wholly before the window of
+        the first new token (they stay cached, to be evicted, where the prefix cache holds them).
+        Then a new block is taken exactly when a block boundary is crossed. If the first slot to be
         written lies in a block shared with another request, that block is first replaced by a
         private copy (copy-on-write); the returned (src, dst) pairs tell the model runner which
         tensors to copy before the step writes. `token_ids` (the request's tokens so far,
         including those being scheduled) lets blocks that become full join the prefix cache.
-        Returns None, changing nothing, when the pool cannot cover it.
+        Returns None, changing nothing more, when the pool cannot cover it.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         table = self._tables[req_id]
+        self._drop_behind_windows(req_id, table)
         if self.blocks_needed_to_grow(req_id, num_new_tokens) > self.pool.num_free:
             return None
         copies = []
-        if self._needs_copy_on_write(table):
-            i = table.num_tokens // self.block_size
-            shared = table.blocks[i]
-            (private,) = self.pool.allocate(1)
-            table.blocks[i] = private
-            table.block_ids[i] = private.block_id
-            self.pool.release([shared])
-            copies.append((shared.block_id, private.block_id))
-            self.cow_copies += 1
-            if self.pool.watch is not None:
-                self.pool.watch.add("cow", req_id, [shared.block_id, private.block_id],
-                                    f"copy on write: block {shared.block_id} (still held by {shared.ref_count}) "
-                                    f"copied to {private.block_id} before writing token {table.num_tokens}")
         first_written = table.num_tokens // self.block_size
+        for g, blocks in enumerate(table.groups):
+            if self._needs_copy_on_write(table, g):
+                shared = blocks[first_written]
+                (private,) = self.pool.allocate(1, g)
+                blocks[first_written] = private
+                table.group_ids[g][first_written] = private.block_id
+                self.pool.release([shared])
+                copies.append((shared.block_id, private.block_id))
+                self.cow_copies += 1
+                if self.pool.watch is not None:
+                    self.pool.watch.add("cow", req_id, [shared.block_id, private.block_id],
+                                        f"copy on write: block {shared.block_id} (still held by {shared.ref_count}) "
+                                        f"copied to {private.block_id} before writing token {table.num_tokens}")
         table.num_tokens += num_new_tokens
-        new_blocks = self.pool.allocate(cdiv(table.num_tokens, self.block_size) - len(table.blocks))
-        table.blocks += new_blocks
-        table.block_ids += [b.block_id for b in new_blocks]
+        size = cdiv(table.num_tokens, self.block_size)
+        new_ids = []
+        for g, blocks in enumerate(table.groups):
+            new_blocks = self.pool.allocate(size - len(blocks), g)
+            blocks += new_blocks
+            table.group_ids[g] += [b.block_id for b in new_blocks]
+            new_ids += [b.block_id for b in new_blocks]
         self._count_tokens(table, first_written)
-        if new_blocks and self.pool.watch is not None:
-            self.pool.watch.add("grow", req_id, [b.block_id for b in new_blocks],
-                                f"grew to {table.num_tokens} tokens: {len(new_blocks)} new block"
-                                f"{'s' if len(new_blocks) > 1 else ''} (table of {len(table.blocks)})")
+        if new_ids and self.pool.watch is not None:
+            self.pool.watch.add("grow", req_id, new_ids,
+                                f"grew to {table.num_tokens} tokens: {len(new_ids)} new block"
+                                f"{'s' if len(new_ids) > 1 else ''} (table of {size})")
         if token_ids is not None:
             self._cache_full_blocks(table, token_ids)
         return copies
+
+    def _drop_behind_windows(self, req_id: RequestId, table: _Table) -> None:
+        """Release each sliding group's blocks that no query from the table's next token on can read."""
+        dropped = []
+        for g, blocks in enumerate(table.groups):
+            if self.windows[g] is None:
+                continue
+            end = min(self._window_start(g, table.num_tokens), len(blocks))
+            for i in range(end - 1, -1, -1):
+                if blocks[i] is None:
+                    break  # those before were dropped already
+                dropped.append(blocks[i])
+                blocks[i] = None
+                table.group_ids[g][i] = NULL_BLOCK_ID
+        if dropped:
+            self.pool.release(reversed(dropped))  # the oldest become free first
+            if self.pool.watch is not None:
+                self.pool.watch.add("slide", req_id, [b.block_id for b in dropped],
+                                    f"{len(dropped)} block{'s' if len(dropped) > 1 else ''} left the sliding window")
 
     def shrink(self, req_id: RequestId, num_tokens: int) -> None:
         """Give back the request's slots past its first `num_tokens` (a speculative step's rejected
@@ -343,15 +529,16 @@ class KVCacheManager:
             raise ValueError(f"cannot shrink request {req_id!r} from {table.num_tokens} to {num_tokens} tokens")
         assert table.num_offered <= num_tokens // self.block_size, "a cached block would lose its tokens"
         keep = cdiv(num_tokens, self.block_size)
-        extra = table.blocks[keep:]
-        del table.blocks[keep:]
-        del table.block_ids[keep:]
+        for g, blocks in enumerate(table.groups):
+            extra = [b for b in blocks[keep:] if b is not None]
+            del blocks[keep:]
+            del table.group_ids[g][keep:]
+            self.pool.release(reversed(extra))
         table.num_tokens = num_tokens
-        self.pool.release(reversed(extra))
         self._count_tokens(table, num_tokens // self.block_size)
 
     def fork(self, parent_id: RequestId, child_id: RequestId, block_hashes: list[bytes] | None = None) -> None:
-        """Give `child_id` a table sharing every block of `parent_id` (parallel sampling).
+        """Give `child_id` tables sharing every block of `parent_id` (parallel sampling).
 
         The child's tokens match the parent's only as far as the table goes, so it inherits
         the hashes of the full blocks there: into `block_hashes`, the child's own list (whose
@@ -360,29 +547,34 @@ class KVCacheManager:
         if child_id in self._tables:
             raise ValueError(f"request {child_id!r} already has a block table")
         parent = self._tables[parent_id]
-        self.pool.touch(parent.blocks)
+        held = parent.held()
+        self.pool.touch(held)
         num_full = parent.num_tokens // self.block_size
         hashes = [] if block_hashes is None else block_hashes
         hashes[:] = parent.hashes[:num_full]
         self._tables[child_id] = _Table(
-            list(parent.blocks), parent.num_tokens, hashes, min(parent.num_offered, num_full), parent.extra_keys
+            [list(blocks) for blocks in parent.groups], parent.num_tokens, hashes,
+            min(parent.num_offered, num_full), parent.extra_keys
         )
         if self.pool.watch is not None:
-            self.pool.watch.add("fork", child_id, parent.block_ids, f"forked from {request_label(parent_id)}: shares all "
-                                f"{len(parent.blocks)} of its blocks ({parent.num_tokens} tokens)")
+            self.pool.watch.add("fork", child_id, [b.block_id for b in held], f"forked from "
+                                f"{request_label(parent_id)}: shares all {len(held)} of its blocks "
+                                f"({parent.num_tokens} tokens)")
 
     def free(self, req_id: RequestId) -> None:
-        """Drop the request's table; a no-op for a request that holds none.
+        """Drop the request's tables; a no-op for a request that holds none.
 
         Blocks are released tail first, so when they become free the end of the request (the
         part least likely to be shared) is evicted before its prefix.
         """
         table = self._tables.pop(req_id, None)
         if table is not None:
-            self.pool.release(reversed(table.blocks))
+            for blocks in table.groups:
+                self.pool.release(b for b in reversed(blocks) if b is not None)
             if self.pool.watch is not None:
-                kept = sum(1 for b in table.blocks if b.ref_count == 0 and b.block_hash is not None)
-                self.pool.watch.add("free", req_id, table.block_ids, f"released {len(table.blocks)} blocks"
+                held = table.held()
+                kept = sum(1 for b in held if b.ref_count == 0 and b.block_hash is not None)
+                self.pool.watch.add("free", req_id, [b.block_id for b in held], f"released {len(held)} blocks"
                                     + (f", {kept} kept as cached prefix" if kept else ""))
 
     def confirm_cached(self) -> None:
@@ -400,38 +592,42 @@ class KVCacheManager:
         if self.tier is None:
             return
         table = self._tables[req_id]
-        for i in range(table.num_offered):
-            self._store(table.block_ids[i], table.hashes[i])
+        sent = []
+        for g, blocks in enumerate(table.groups):
+            for i in range(table.num_offered):
+                if blocks[i] is not None:
+                    self._store(blocks[i].block_id, self._key(g, table.hashes[i]))
+                    sent.append(blocks[i].block_id)
         if self.pool.watch is not None:
-            self.pool.watch.add("offload", req_id, table.block_ids[:table.num_offered],
-                                f"swapped out: {table.num_offered} full blocks to the KV tier")
+            self.pool.watch.add("offload", req_id, sent, f"swapped out: {len(sent)} full blocks to the KV tier")
 
     def offload_cached(self) -> None:
         """Send every cached block the tier lacks to it, by the policy's rule for an evicted block
         (hit at least `offload_min_hits` times): the pool is about to go away (shutdown)."""
         if self.tier is None:
             return
-        for block_hash, block in self.pool.cached.items():
+        for key, block in self.pool.cached.items():
             if self.write_through or block.num_hits >= self.offload_min_hits:
-                self._store(block.block_id, block_hash)
+                self._store(block.block_id, key)
 
     def take_transfers(self) -> tuple[list[BlockStore], list[BlockLoad]]:
         """The tier transfers a plan carries, to be done before its forward pass writes anything:
         the stores first (a block evicted to the tier may be reused in the same step), then the
         loads."""
-        for block_id, block_hash, hits in self.pool.evicted:
+        for block_id, key, hits in self.pool.evicted:
             if hits >= self.offload_min_hits:
-                self._store(block_id, block_hash)
+                self._store(block_id, key)
         self.pool.evicted.clear()
         stores, loads = self._stores, self._loads
         self._stores, self._loads = [], []
         self._storing.clear()
         return stores, loads
 
-    def _store(self, block_id: int, block_hash: bytes) -> None:
-        if block_hash not in self.tier and block_hash not in self._storing:
-            self._storing.add(block_hash)
-            self._stores.append((block_id, block_hash))
+    def _store(self, block_id: int, key: CacheKey) -> None:
+        name = self._tier_key(key)
+        if name not in self.tier and name not in self._storing:
+            self._storing.add(name)
+            self._stores.append((block_id, name))
             self.offload_stored_blocks += 1
 
     def discard_unconfirmed(self) -> None:
@@ -444,17 +640,20 @@ class KVCacheManager:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _needs_copy_on_write(self, table: _Table) -> bool:
+    def _needs_copy_on_write(self, table: _Table, group: int = 0) -> bool:
         """Whether the next token's slot lies in a partially filled block someone else holds."""
         if table.num_tokens % self.block_size == 0:
             return False  # the next token starts a fresh block
-        return table.blocks[table.num_tokens // self.block_size].ref_count > 1
+        block = table.groups[group][table.num_tokens // self.block_size]
+        return block is not None and block.ref_count > 1
 
     def _count_tokens(self, table: _Table, first: int) -> None:
-        """Tell the pool how many tokens the table's blocks from index `first` on now hold."""
+        """Tell the pool how many tokens the tables' blocks from index `first` on now hold."""
         bs = self.block_size
-        for i in range(first, len(table.blocks)):
-            self.pool.set_num_tokens(table.blocks[i], min(bs, table.num_tokens - i * bs))
+        for blocks in table.groups:
+            for i in range(first, len(blocks)):
+                if blocks[i] is not None:
+                    self.pool.set_num_tokens(blocks[i], min(bs, table.num_tokens - i * bs))
 
     def _hash_blocks(self, hashes: list[bytes], token_ids: Sequence[int], num_blocks: int, extra_keys: object) -> None:
         """Extend `hashes` to the first `num_blocks` full blocks of `token_ids`."""
@@ -467,16 +666,18 @@ class KVCacheManager:
             return
         num_full = min(table.num_tokens, len(token_ids)) // self.block_size
         self._hash_blocks(table.hashes, token_ids, num_full, table.extra_keys)
-        for i in range(table.num_offered, num_full):
-            if self.pool.cache(table.blocks[i], table.hashes[i]):
-                self._unconfirmed.append(table.blocks[i])
+        for g, blocks in enumerate(table.groups):
+            for i in range(table.num_offered, num_full):
+                block = blocks[i]
+                if block is not None and self.pool.cache(block, self._key(g, table.hashes[i])):
+                    self._unconfirmed.append(block)
         table.num_offered = max(table.num_offered, num_full)
 
     # ---- figures -------------------------------------------------------------------------
 
     def held_block_ids(self) -> set[int]:
         """Every block some table holds (O(blocks held))."""
-        return {b for table in self._tables.values() for b in table.block_ids}
+        return {b.block_id for table in self._tables.values() for b in table.held()}
 
     @property
     def watched(self) -> bool:
@@ -486,7 +687,17 @@ class KVCacheManager:
     def note(self, kind: str, req_id: RequestId, text: str) -> None:
         """Record an event about a request's blocks that the caller decided (a preemption), while watched."""
         if self.pool.watch is not None:
-            self.pool.watch.add(kind, req_id, self._tables[req_id].block_ids if req_id in self._tables else [], text)
+            held = [b.block_id for b in self._tables[req_id].held()] if req_id in self._tables else []
+            self.pool.watch.add(kind, req_id, held, text)
+
+    def group_stats(self) -> list[GroupStats]:
+        """Each group's blocks in use and the token slots of those that hold a token (O(blocks))."""
+        used, filled = [0] * self.num_groups, [0] * self.num_groups
+        for block in self.pool.blocks:
+            if block.ref_count > 0:
+                used[block.group] += 1
+                filled[block.group] += block.num_tokens
+        return [GroupStats(w, u, f, self.block_size) for w, u, f in zip(self.windows, used, filled)]
 
     def stats(self) -> KVCacheStats:
         """O(1): every figure is a counter kept by the pool or here (the tests check them all
@@ -506,3 +717,28 @@ class KVCacheManager:
             offload_stored_blocks=self.offload_stored_blocks,
             offload_loaded_blocks=self.offload_loaded_blocks,
         )
+
+
+def hit_ids(table: _Table, hit: _Hit) -> list[int]:
+    """The block ids of a request's table that its prefix-cache hit gave (from the pool or the tier)."""
+    return [table.group_ids[g][i] for g, start in enumerate(hit.starts) for i in range(start, hit.num_blocks)]
+
+
+def _all_done(futures: list[Future]) -> Future:
+    """A future done once every one of `futures` is."""
+    if len(futures) == 1:
+        return futures[0]
+    done: Future = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            done.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    return done

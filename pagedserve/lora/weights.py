@@ -453,7 +453,8 @@ def _first_match(patterns: dict[re.Pattern, Any], key: str, default: Any) -> Any
 def _cuts(config: ModelConfig, rank: int, size: int) -> dict[str, _Cut]:
     """Each projection's whole shape and rank `rank` of `size`'s slice of it, read off the targets
     the base weights are loaded by (of one layer: every layer is cut alike)."""
-    one_layer = dataclasses.replace(config, num_layers=1, sliding_windows=config.sliding_windows[:1])
+    one_layer = dataclasses.replace(config, num_layers=1, sliding_windows=config.sliding_windows[:1],
+                                    rope_layers=config.rope_layers[:1])
     targets = DecoderForCausalLM.meta(one_layer, TPGroup(rank, size)).checkpoint_targets()
     cuts = {}
     for projection in PROJECTIONS:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pagedserve.kv.groups import KVLayout
 from pagedserve.kv.sizes import kv_bytes_per_token
 
 # model_type -> the transformers class our decoder reproduces. SmolLM2 is model_type "llama";
@@ -16,12 +18,15 @@ SUPPORTED_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",           # Phi-3 and Phi-4
+    "smollm3": "SmolLM3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # transformers' names (ACT2FN)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+_PARTIAL_ROTARY_ARCHS = ("phi3",)  # whose transformers attention rotates only the first rotary_dim dims
 
 
 def check_architecture(model_type: str | None, architectures: list[str] | None = None) -> None:
@@ -47,7 +52,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None = field(hash=False)  # llama3 parameters; None: plain RoPE
+    rope_scaling: dict[str, Any] | None = field(hash=False)  # a scaled RoPE's parameters (_rope); None: plain
     attention_bias: bool                 # bias on the q/k/v projections
     qk_norm: bool                        # Qwen3: RMSNorm over each head of q and k before RoPE
     tie_word_embeddings: bool
@@ -57,6 +62,11 @@ class ModelConfig:
     mlp_bias: bool = False
     # One entry per layer: its sliding-window size, or None for full attention. Empty: all full.
     sliding_windows: tuple[int | None, ...] = ()
+    rotary_dim: int | None = None        # the leading dims of each head that RoPE rotates; None: all of them
+    # One entry per layer: whether it applies RoPE (SmolLM3's NoPE layers do not). Empty: all do.
+    rope_layers: tuple[bool, ...] = ()
+    # gpt-oss: every attention layer has a learned sink logit per query head (`self_attn.sinks`)
+    attention_sinks: bool = False
     # What Gemma 3 changes; the defaults are Llama's.
     hidden_act: str = "silu"             # the gated MLP's activation, one of SUPPORTED_ACTIVATIONS
     norm_unit_offset: bool = False       # every RMSNorm scales by (1 + weight), in float32
@@ -71,11 +81,28 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
-            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
+        for name in ("sliding_windows", "rope_layers"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {self.num_layers} layers")
 
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def kv_layout(self, uniform: bool = False) -> KVLayout:
+        """The layers' KV cache groups (kv/groups.py). uniform: one full-attention group of every
+        layer, windows only masked (the layout of an engine without groups, for comparison)."""
+        if uniform or not self.sliding_windows:
+            return KVLayout.uniform(self.num_layers)
+        return KVLayout.of([self.layer_window(i) for i in range(self.num_layers)])
+
+    def kv_bytes_per_block_token(self, dtype: torch.dtype, kv_heads: int | None = None, uniform: bool = False) -> int:
+        """Bytes one token slot of a block takes: K and V in each layer buffer a block spans
+        (`KVLayout.layers_per_block`; all layers for a model of one kind of layer)."""
+        per = self.kv_layout(uniform).layers_per_block
+        return kv_bytes_per_token(per, kv_heads or self.num_kv_heads, self.head_dim, dtype.itemsize)
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        return self.rope_layers[layer] if self.rope_layers else True
 
     def layer_uses_sliding_rope(self, layer: int) -> bool:
         """Whether this layer rotates by sliding_rope_theta / sliding_rope_scaling."""
@@ -113,14 +140,25 @@ class ModelConfig:
             qkv_bias = out_bias = bool(getattr(text, "attention_bias", False))
         window = getattr(text, "sliding_window", None)
         layer_types = getattr(text, "layer_types", None)
+        if model_type == "smollm3":
+            window = _smollm3_window(text, window, layer_types)
         if window is None:
             windows = ()
-        elif layer_types:  # Qwen2/3, Gemma 3: only "sliding_attention" layers use the window
+        elif layer_types:  # Qwen2/3, SmolLM3, Gemma 3: only "sliding_attention" layers use the window
             windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-        else:  # Mistral: every layer
+        else:  # Mistral, Phi-3: every layer
             windows = (window,) * text.num_hidden_layers
+        # SmolLM3: no_rope_layers[i] is 1 where layer i applies RoPE, 0 where it is a NoPE layer.
+        rope_layers = tuple(bool(u) for u in text.no_rope_layers) if model_type == "smollm3" else ()
+
         gemma_fields = _gemma3_fields(text, model_type, windows) if gemma else {}
-        rope_theta, rope_scaling = gemma_fields.pop("rope") if gemma else _rope(text)
+        rope_theta, rope_scaling, rotary_fraction = gemma_fields.pop("rope") if gemma else _rope(text)
+        rotary_dim = _rotary_dim(model_type, head_dim, rotary_fraction)
+        frequencies = (rotary_dim or head_dim) // 2
+        for key in ("short_factor", "long_factor") if rope_scaling and rope_scaling["rope_type"] == "longrope" else ():
+            if len(rope_scaling[key]) != frequencies:
+                raise ValueError(f"longrope's {key} has {len(rope_scaling[key])} entries, not one per rotary "
+                                 f"frequency ({frequencies})")
 
         return cls(
             architecture=SUPPORTED_ARCHITECTURES[model_type],
@@ -145,6 +183,8 @@ class ModelConfig:
             bos_token_id=bos if bos is not None else getattr(hf, "bos_token_id", None),
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             sliding_windows=windows,
+            rotary_dim=rotary_dim,
+            rope_layers=() if all(rope_layers) else rope_layers,
             hidden_act=act,
             **gemma_fields,
         )
@@ -156,7 +196,8 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 def _gemma3_fields(text: Any, model_type: str, windows: tuple[int | None, ...]) -> dict[str, Any]:
     """What Gemma 3 (transformers' modeling_gemma3.py) sets apart from the Llama decoder, and its
-    two RoPEs ("rope": the full-attention layers'); ValueError for the variants we cannot run."""
+    two RoPEs ("rope": the full-attention layers', as _rope gives it); ValueError for the variants
+    we cannot run."""
     if getattr(text, "attn_logit_softcapping", None) is not None:
         raise ValueError("attn_logit_softcapping is not supported: the attention kernels do not soft-cap "
                          f"the attention logits (this config sets {text.attn_logit_softcapping})")
@@ -167,6 +208,8 @@ def _gemma3_fields(text: Any, model_type: str, windows: tuple[int | None, ...]) 
     params = text.rope_parameters
     full = _rope(text, params["full_attention"])
     sliding = _rope(text, params["sliding_attention"]) if "sliding_attention" in params else full
+    if sliding[2] != full[2]:
+        raise ValueError("Gemma 3 rope_parameters with a partial_rotary_factor per layer type are not supported")
     return {
         "norm_unit_offset": True,
         "sandwich_norms": True,
@@ -181,34 +224,108 @@ def _gemma3_fields(text: Any, model_type: str, windows: tuple[int | None, ...]) 
     }
 
 
-def _rope(hf: Any, params: dict[str, Any] | None = None) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling or None) from `params` (one layer type's entry of transformers 5's
-    `rope_parameters`), else from the config's `rope_parameters` or the older `rope_theta` +
-    `rope_scaling` pair. Scaling: llama3's parameters or linear's factor."""
-    if params is None:
-        params = getattr(hf, "rope_parameters", None)
-        if params:
-            theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        else:
-            params = getattr(hf, "rope_scaling", None) or {}
-            theta = getattr(hf, "rope_theta", 10000.0)
-    else:
+def _smollm3_window(hf: Any, window: int | None, layer_types: list[str] | None) -> int | None:
+    """SmolLM3's window, used on its "sliding_attention" layers only when use_sliding_window is
+    set. Its layer_types may name sliding layers without it, and then transformers' eager and
+    SDPA attention apply the window (through the mask) but flash attention does not: refused."""
+    if getattr(hf, "use_sliding_window", False):
+        return window
+    if window is not None and "sliding_attention" in (layer_types or ()):
+        raise ValueError("a SmolLM3 config whose layer_types name sliding_attention layers but whose "
+                         "use_sliding_window is false is ambiguous (transformers' attention backends disagree)")
+    return None
+
+
+def _rotary_dim(model_type: str, head_dim: int, fraction: float) -> int | None:
+    """The rotated dims of each head for a partial_rotary_factor (None: the whole head), as
+    transformers truncates it: int(head_dim * factor)."""
+    if fraction == 1.0:
+        return None
+    if model_type not in _PARTIAL_ROTARY_ARCHS:  # transformers ignores it there, or fails
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={fraction}) are supported for "
+                         f"{', '.join(_PARTIAL_ROTARY_ARCHS)} only, not {model_type}")
+    dim = int(head_dim * fraction)
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"partial_rotary_factor={fraction} of head_dim {head_dim} rotates {dim} dims; "
+                         "pagedserve needs a positive even number")
+    return dim
+
+
+def _rope(hf: Any, params: dict[str, Any] | None = None) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, the scaled RoPE's parameters or None, partial_rotary_factor) from transformers 5
+    `rope_parameters` or the older `rope_theta` + `rope_scaling` pair; given `params`, from those
+    (one layer type's entry of a per-type `rope_parameters`, Gemma 3's). The parameters are those
+    transformers' modeling_rope_utils reads, with its defaults filled in (a yarn or longrope
+    attention factor computed), so that models/layers.py needs nothing else."""
+    if params is not None:
         theta = params["rope_theta"]
+    elif getattr(hf, "rope_parameters", None):
+        params = hf.rope_parameters
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    else:
+        params = getattr(hf, "rope_scaling", None) or {}
+        theta = getattr(hf, "rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    fraction = float(params.get("partial_rotary_factor") or getattr(hf, "partial_rotary_factor", None) or 1.0)
     if rope_type == "default":
-        return float(theta), None
-    if rope_type == "linear":
-        return float(theta), {"rope_type": "linear", "factor": float(params["factor"])}
-    missing = [k for k in _LLAMA3_KEYS if k not in params]
+        return float(theta), None, fraction
+    max_len = hf.max_position_embeddings
+    # Phi-3 keeps the pretraining length beside rope_parameters; transformers prefers it there.
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(hf, "original_max_position_embeddings", None) or max_len)
+    factor = params.get("factor")
+    if rope_type in ("linear", "dynamic", "llama3") and factor is None:
+        raise ValueError(f"{rope_type} rope scaling lacks its factor")
+    if rope_type == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in params]
+        if missing:
+            raise ValueError(f"llama3 rope scaling lacks {missing}")
+        scaling = {k: float(params[k]) for k in _LLAMA3_KEYS} | {"original_max_position_embeddings": original}
+    elif rope_type == "linear":
+        scaling = {"factor": float(factor)}
+    elif rope_type == "dynamic":  # its frequencies for sequences up to max_position_embeddings
+        scaling = {"factor": float(factor), "max_position_embeddings": int(max_len)}
+    elif rope_type == "yarn":
+        scaling = _yarn(params, original, max_len)
+    else:
+        scaling = _longrope(params, original, max_len)
+    return float(theta), {"rope_type": rope_type, **scaling}, fraction
+
+
+def _yarn(params: dict[str, Any], original: int, max_len: int) -> dict[str, Any]:
+    """YaRN's parameters with transformers' defaults: factor max_len / original, beta_fast 32,
+    beta_slow 1, truncate True, and the attention factor (which scales cos and sin) from
+    mscale / mscale_all_dim or from the factor."""
+    if "factor" not in params:
+        raise ValueError("yarn rope scaling lacks its factor")
+    factor = params["factor"]
+    factor = float(max_len / original if factor is None else factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return {"factor": factor, "original_max_position_embeddings": original, "attention_factor": float(attention),
+            "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+            "truncate": bool(params.get("truncate", True))}
+
+
+def _longrope(params: dict[str, Any], original: int, max_len: int) -> dict[str, Any]:
+    """LongRoPE's per-frequency short and long factors and its attention factor (transformers'
+    default: sqrt(1 + ln(factor) / ln(original)), factor max_len / original unless given)."""
+    missing = [k for k in ("short_factor", "long_factor") if not params.get(k)]
     if missing:
-        raise ValueError(f"llama3 rope scaling lacks {missing}")
-    original = params.get("original_max_position_embeddings", hf.max_position_embeddings)
-    return float(theta), {
-        "rope_type": "llama3",
-        **{k: float(params[k]) for k in _LLAMA3_KEYS},
-        "original_max_position_embeddings": int(original),
-    }
+        raise ValueError(f"longrope rope scaling lacks {missing}")
+    factor = params.get("factor")
+    factor = max_len / original if factor is None else factor
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"short_factor": [float(f) for f in params["short_factor"]],
+            "long_factor": [float(f) for f in params["long_factor"]],
+            "original_max_position_embeddings": original, "attention_factor": float(attention)}

@@ -55,14 +55,27 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> Tensor:
-    """Inverse frequencies [head_dim // 2] of plain RoPE, of linear scaling (positions divided by
-    `factor`), or of Llama-3's scaled variant."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
+def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None = None, long: bool = False) -> Tensor:
+    """Inverse frequencies [dim // 2] of RoPE over `dim` rotated dims, plain or scaled
+    (`scaling`: models/config.py's _rope), computed op for op as transformers' modeling_rope_utils
+    does. longrope: the short factors' frequencies, or the long factors' with long=True."""
+    rope_type = scaling["rope_type"] if scaling else "default"
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if rope_type == "dynamic":
+        # NTK's base for a sequence of max_position_embeddings tokens, the longest the engine runs
+        # (transformers recomputes it only past that length): theta itself, up to rounding.
+        factor, length = scaling["factor"], scaling["max_position_embeddings"]
+        theta = theta * ((factor * length / length) - (factor - 1)) ** (dim / (dim - 2))
+    if rope_type == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta**exponents)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, theta, scaling)
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_type == "linear":
         return inv_freq / scaling["factor"]
+    if rope_type != "llama3":
+        return inv_freq
     # Llama 3.1: stretch low frequencies (long wavelengths) by `factor`, keep high ones, and
     # interpolate smoothly in between.
     factor = scaling["factor"]
@@ -76,15 +89,51 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by factor), those turning more than beta_fast times are kept, with a
+    linear ramp between the two dims those counts fall on."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    powers = theta ** (torch.arange(0, dim, 2).float() / dim)
+    kept, interpolated = 1.0 / powers, 1.0 / (factor * powers)
+
+    def dim_turning(rotations: float) -> float:  # the dim whose frequency turns `rotations` times
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dim_turning(scaling["beta_fast"]), dim_turning(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step, not a division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + kept * keep
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to max_positions, computed once in float32.
+    """cos/sin of every position up to max_positions over the `dim` rotated dims of a head (all of
+    them, or a partial rotary's leading share), computed once in float32 and scaled by the rope
+    type's attention factor (yarn, longrope) as transformers scales them.
 
     Only half a head's worth is stored: the two halves of transformers' table are equal.
+
+    Where transformers' frequencies depend on the sequence (it recomputes them per forward), the
+    table holds what it uses for each position of a sequence it would run the same way:
+    - dynamic: transformers rescales past max_position_embeddings only, which the engine never
+      reaches (max_model_len <= max_position_embeddings), so these are its frequencies throughout.
+    - longrope: position p takes the short factors below original_max_position_embeddings and the
+      long factors from there on. A sequence within the original length gets transformers'
+      rotation exactly (short factors), and so does one decoded past it a token per forward over
+      a cache. transformers' Phi-3 generate instead runs the whole sequence again with the long
+      factors once it first grows past that length; a paged cache keeps each token's K as first
+      written, so here the earlier tokens keep the short factors. (Choosing by a batch's longest
+      position, as a transformers forward does, would make a request's K depend on its batch.)
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None):
+    def __init__(self, dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None):
         super().__init__()
-        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.dim, self.max_positions, self.theta, self.scaling = dim, max_positions, theta, scaling
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._tables: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -94,13 +143,20 @@ class RotaryEmbedding(nn.Module):
     def build(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the table, e.g. after the module was allocated without data."""
         device = self.cos.device if device is None else device
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
-        freqs = torch.arange(self.max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)[:, None]
+        freqs = positions * rope_inv_freq(self.dim, self.theta, self.scaling).to(device)
+        scaling = self.scaling or {}
+        if scaling.get("rope_type") == "longrope":
+            original = scaling["original_max_position_embeddings"]
+            long = positions[original:] * rope_inv_freq(self.dim, self.theta, scaling, long=True).to(device)
+            freqs = torch.cat([freqs[:original], long])
         self.cos, self.sin = freqs.cos(), freqs.sin()
+        if "attention_factor" in scaling:  # float32 products, as transformers scales its table
+            self.cos, self.sin = self.cos * scaling["attention_factor"], self.sin * scaling["attention_factor"]
         self._tables = {}
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin [num_tokens, head_dim // 2] for these positions, in the model dtype."""
+        """cos, sin [num_tokens, dim // 2] for these positions, in the model dtype."""
         cos, sin = self.tables(dtype)
         if fused_cpu.available(cos) and positions.dtype == torch.int64 and positions.is_contiguous():
             return fused_cpu.gather_rows(cos, positions), fused_cpu.gather_rows(sin, positions)
@@ -117,13 +173,15 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate [num_tokens, heads, head_dim] by the half-split (GPT-NeoX) convention that
-    transformers' Llama weights use. On the fused CPU path x is rotated in place (it may be a view
-    of the fused qkv output)."""
+    transformers' Llama weights use, over the first 2 * cos.shape[-1] dims of each head (all of
+    them, or a partial rotary's share: the rest pass unchanged, as in transformers' Phi-3). On the
+    fused CPU path x is rotated in place (it may be a view of the fused qkv output)."""
     if fused_cpu.available(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.dtype == x.dtype:
         return fused_cpu.rotary_(x, cos, sin)
-    x1, x2 = x.chunk(2, dim=-1)
+    rotary_dim = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]), dim=-1)
 
 
 class PackedWeight:

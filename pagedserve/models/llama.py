@@ -1,20 +1,23 @@
 """Decoder-only transformer covering Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2, Qwen3,
-SmolLM2 and Gemma 3's text model, over a flat batch of tokens whose K/V are read and written only
-through paged caches. The config picks the parts: the norm's form, Gemma's extra norms around
-attention and MLP, the activation, the embedding scale, the attention scale, a RoPE per layer type
-and the final logit soft-capping.
+SmolLM2, SmolLM3 (NoPE layers), Phi-3 / Phi-4 (partial rotary, LongRoPE) and Gemma 3's text model,
+over a flat batch of tokens whose K/V are read and written only through paged caches. The config
+picks the parts: the norm's form, Gemma's extra norms around attention and MLP, the activation, the
+embedding scale, the attention scale, a RoPE per layer type and the final logit soft-capping.
 
 Module names mirror transformers' (model.layers.N.self_attn...), except that q/k/v and gate/up
 are fused into one matmul each; `checkpoint_targets` maps checkpoint names onto those fusions.
+Checkpoints that store them fused already (Phi-3's qkv_proj, gate_up_proj) are first cut into
+their parts by `split_fused_tensors`.
 Built with a tensor-parallel group of N ranks, the model holds rank r's share (models/sharding.py)
 and `checkpoint_targets` says which slice of each checkpoint tensor that is.
 """
 
 from __future__ import annotations
 
-import torch
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from pagedserve.attention.kv_cache import KVCache
@@ -48,6 +51,49 @@ class Target(NamedTuple):
         return tuple(shape)
 
 
+def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (name, tensor) pairs with each fused qkv_proj or gate_up_proj tensor (as
+    Phi-3 stores them: rows q | k | v, gate | up) given as its parts under the names
+    `checkpoint_targets` knows, each a view of its rows; a safetensors slice stays unread until
+    the part (or this rank's share of it) is indexed."""
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    parts = {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+             "gate_up_proj": (("gate_proj", inter), ("up_proj", inter))}
+    for name, tensor in tensors:
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        if module not in parts:
+            yield name, tensor
+            continue
+        rows = tuple(tensor.shape if hasattr(tensor, "shape") else tensor.get_shape())[0]
+        if rows != sum(n for _, n in parts[module]):
+            raise ValueError(f"checkpoint tensor {name!r} has {rows} rows, but the config implies "
+                             f"{' + '.join(f'{n} ({part})' for part, n in parts[module])}")
+        start = 0
+        for part, n in parts[module]:
+            piece = tensor.narrow(0, start, n) if hasattr(tensor, "narrow") else _LazyRows(tensor, start, n)
+            yield f"{parent}.{part}.{leaf}", piece
+            start += n
+
+
+class _LazyRows:
+    """Rows [start, start + rows) of a safetensors slice, shaped and indexed like one: indexing
+    it reads only the rows (and columns) indexed."""
+
+    def __init__(self, source: Any, start: int, rows: int) -> None:
+        self.source, self.start, self.rows = source, start, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, *self.source.get_shape()[1:]]
+
+    def __getitem__(self, index: Any) -> Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        first, last, step = (index[0] if index else slice(None)).indices(self.rows)
+        if step != 1:
+            raise IndexError("only a contiguous range of a checkpoint tensor's rows is read")
+        return self.source[(slice(self.start + first, self.start + last), *index[1:])]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, shard: TPShard, tp: TPGroup):
         super().__init__()
@@ -59,8 +105,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
         self.qk_norm = config.qk_norm
+        self.use_rope = config.layer_uses_rope(layer)
         self.sliding_window = config.layer_window(layer)
         self.scale = self.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
+        # One sink logit per query head of this rank, kept float32 in any model dtype (`empty`): the
+        # attention backends read float32 sinks.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if config.attention_sinks else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, md: AttentionMetadata) -> Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -69,11 +119,13 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm.heads(q), self.k_norm.heads(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.use_rope:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if md.calculate_kv_scales:
             kv_cache.scales.copy_(torch.stack([calibrated_scale(k), calibrated_scale(v)]))
         # The engine's backend, which built md (a per-engine choice: engines may share this model).
-        out = md.backend.forward(q, k, v, kv_cache.k, kv_cache.v, md, self.scale, self.sliding_window, kv_cache.scales)
+        out = md.backend.forward(q, k, v, kv_cache.k, kv_cache.v, md, self.scale, self.sliding_window, kv_cache.scales,
+                                 sinks=self.sinks)
         return self.o_proj(out.flatten(1))
 
 
@@ -120,11 +172,12 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.rotary_dim or config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         # Gemma 3: the sliding-window layers rotate by their own base.
         self.sliding_rotary_emb = None if config.sliding_rope_theta is None else RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.sliding_rope_theta, config.sliding_rope_scaling
+            config.rotary_dim or config.head_dim, config.max_position_embeddings, config.sliding_rope_theta,
+            config.sliding_rope_scaling,
         )
 
     def rotary_tables(self) -> list[RotaryEmbedding]:
@@ -158,10 +211,11 @@ class DecoderForCausalLM(nn.Module):
         `meta`), allocate its parameters: those the loader already replaced with quantized weights
         are gone and take no memory."""
         model = model or cls.meta(config, tp)
+        float32 = {id(m.sinks) for m in model.modules() if isinstance(m, Attention) and m.sinks is not None}
         # Module.to_empty's empty_like of a meta tensor goes through torch's Python references,
         # which take half a second to set up on first use: a start pays it. torch.empty does not.
-        model = model._apply(lambda t: t if t.device.type != "meta" else
-                             torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
+        model = model._apply(lambda t: t if t.device.type != "meta" else torch.empty(
+            t.shape, dtype=dtype if t.is_floating_point() and id(t) not in float32 else t.dtype, device=device))
         for rotary in model.model.rotary_tables():  # a buffer, not a weight: compute it for real
             rotary.build(device)
         if model.shard.real_vocab_rows(config.vocab_size) < model.shard.vocab_rows:
@@ -171,18 +225,21 @@ class DecoderForCausalLM(nn.Module):
         return model
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata | list[AttentionMetadata]
     ) -> Tensor:
-        """input_ids, positions: [num_tokens]; kv_caches: one KVCache per layer.
-        Returns the final hidden states [num_tokens, hidden_size]."""
+        """input_ids, positions: [num_tokens]; kv_caches: one KVCache per layer; attn_metadata: the
+        step's metadata, or one per layer (its KV cache group's). Returns the final hidden states
+        [num_tokens, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, x.dtype)  # gathered once, shared by all layers (of its type)
         sliding = self.model.sliding_rotary_emb
         sliding_rope = rope if sliding is None else sliding(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        per_layer = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(kv_caches)
+        for layer, kv_cache, md in zip(self.model.layers, kv_caches, per_layer, strict=True):
             cos, sin = sliding_rope if layer.uses_sliding_rope else rope
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+            x, residual = layer(x, residual, cos, sin, kv_cache, md)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
@@ -228,6 +285,8 @@ class DecoderForCausalLM(nn.Module):
                 targets[name] = Target(param, 0, param.shape[0], 1, row_parallel[module], columns * s.size)
             elif module in ("embed_tokens", "lm_head"):
                 targets[name] = Target(param, 0, s.real_vocab_rows(c.vocab_size), 0, s.vocab_start, c.vocab_size)
+            elif leaf == "sinks":  # one per query head: this rank's heads
+                targets[name] = Target(param, 0, s.num_heads, 0, s.rank * s.num_heads, c.num_heads)
             else:
                 targets[name] = Target(param, 0, param.shape[0], 0, 0, param.shape[0])
         return targets

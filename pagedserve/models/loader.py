@@ -31,7 +31,7 @@ from pagedserve.config import QUANTIZATIONS, EngineConfig
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models import gguf_cache
 from pagedserve.models.config import ModelConfig, check_architecture
-from pagedserve.models.llama import DecoderForCausalLM
+from pagedserve.models.llama import DecoderForCausalLM, split_fused_tensors
 from pagedserve.models.quantized import available as quantized_kernels_available
 from pagedserve.models.quantized_loader import (apply_quantized, gguf_tensors, load_packed, quantized_safetensors,
                                                 save_packed, split_quantized)
@@ -194,7 +194,7 @@ def load_model(
     checkpoint's linear weights."""
     path = resolve_model_path(model)
     config = load_config(path)
-    if _runs_quantized(path, quantization, torch.device(device)):
+    if _runs_quantized(path, quantization, torch.device(device), config):
         return _load_quantized(path, config, quantization, dtype, device, tp), config
     net = DecoderForCausalLM.empty(config, dtype, device, tp)
     if _is_gguf(path):  # dequantized once, then read back from the cache (gguf_cache.py)
@@ -203,12 +203,12 @@ def load_model(
                                     _save_safetensors)
         tensors = tensors.items() if isinstance(tensors, dict) else tensors
     else:
-        tensors = _decoder_tensors(_safetensors_tensors(Path(path)), config)
+        tensors = _checkpoint_tensors(path, config)
     load_weights(net, tensors)
     return net.requires_grad_(False).eval(), config  # inference only: never build autograd graphs
 
 
-def _runs_quantized(path: str, quantization: str, device: torch.device) -> bool:
+def _runs_quantized(path: str, quantization: str, device: torch.device, config: ModelConfig) -> bool:
     """Whether the weights load quantized; ValueError for a quantization this checkpoint or device
     cannot have."""
     if quantization not in QUANTIZATIONS:
@@ -225,6 +225,10 @@ def _runs_quantized(path: str, quantization: str, device: torch.device) -> bool:
             raise ValueError(f"quantization={quantization!r} runs on CPU only, not {where}")
         logger.warning("quantized GGUF weights have no kernel %s: every weight is dequantized at load", where)
         return False
+    if _is_gguf(path) and config.model_type == "phi3":  # q|k|v, gate|up stored fused: not cut quantized here
+        logger.warning("a Phi-3 GGUF's fused attn_qkv and ffn_up tensors are read dequantized: every weight is "
+                       "dequantized at load")
+        return False
     return True
 
 
@@ -240,7 +244,8 @@ def _load_quantized(path: str, config: ModelConfig, quantization: str, dtype: to
         if _is_gguf(path):
             tensors = gguf_tensors(_checked_gguf_reader()(path), config, everything)
         else:
-            tensors = quantized_safetensors(_decoder_tensors(_safetensors_tensors(Path(path)), config), quantization)
+            tensors = quantized_safetensors(split_fused_tensors(config, _checkpoint_tensors(path, config)),
+                                            quantization)
         quantized, dense = split_quantized(DecoderForCausalLM.meta(config, tp), tensors)
         return quantized, dense if _is_gguf(path) else []
 
@@ -251,7 +256,7 @@ def _load_quantized(path: str, config: ModelConfig, quantization: str, dtype: to
     apply_quantized(net, quantized, dtype)
     if not _is_gguf(path):  # the float tensors that were not quantized, read where they lie
         needed = net.checkpoint_targets().keys()
-        dense = [(n, t) for n, t in _decoder_tensors(_safetensors_tensors(Path(path)), config)
+        dense = [(n, t) for n, t in split_fused_tensors(config, _checkpoint_tensors(path, config))
                  if n in needed or n not in everything]
     net = DecoderForCausalLM.empty(config, dtype, device, tp, model=net)
     load_weights(net, dense)
@@ -284,11 +289,12 @@ def _cached_tokenizer(folder: Path) -> Any:
 def load_weights(net: DecoderForCausalLM, tensors: Iterable[tuple[str, Tensor | Any]]) -> None:
     """Copy checkpoint tensors (transformers names) into net: tensors, or safetensors slices of
     which only the part this rank holds is read. Every parameter must be filled exactly by tensors
-    of the right shape; any mismatch raises ValueError naming the tensor."""
+    of the right shape; any mismatch raises ValueError naming the tensor. Fused q|k|v and gate|up
+    tensors (Phi-3's) are read as their parts."""
     targets = net.checkpoint_targets()
     tied = net.config.tie_word_embeddings
     loaded = set()
-    for name, tensor in tensors:
+    for name, tensor in split_fused_tensors(net.config, tensors):
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue  # derived from the config, or a stored copy of the tied embedding
         if name not in targets:
@@ -425,11 +431,11 @@ _LANGUAGE_MODEL_PREFIXES = {
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-def _decoder_tensors(tensors: Iterable[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, Any]]:
-    """The checkpoint's tensors that the decoder holds, by the names of the text-only model: a
+def _checkpoint_tensors(path: str, config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """A model directory's tensors that the decoder holds, by the names of the text-only model: a
     multimodal checkpoint's language model renamed, its vision tower and projector left out."""
     prefixes = _LANGUAGE_MODEL_PREFIXES.get(config.model_type)
-    for name, tensor in tensors:
+    for name, tensor in _safetensors_tensors(Path(path)):
         if prefixes is not None:
             if name.startswith(_VISION_PREFIXES):
                 continue

@@ -18,6 +18,9 @@ The decode kernel does the same there, reading the bfloat16 rows as they lie ins
 each block first, which had made it compute-bound: 32 contexts of 1,300 tokens, 0.85-0.87 ms
 against 1.18-1.20 (37 against 27 GB/s; this machine reads about 40).
 
+Both take a layer's sink logits (gpt-oss: one per query head, in the softmax's denominator with no
+value) or none, and any head size that is a whole number of vectors (unrolled for 64, 128 and 256).
+
 `ops/native.py` compiles them on first use and caches the build. Without a compiler, or
 with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and attention falls back to torch's SDPA
 (a warning says why, once). Every call passes the pool's size: a checked build
@@ -49,11 +52,11 @@ def load(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
     fn = lib.paged_decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 7 + [i64] * 8 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                           ctypes.c_float, ctypes.c_int]
+                                           ctypes.c_float, ctypes.c_int, ptr]
     fn.restype = ctypes.c_int
     fn = lib.paged_prefill_attention
     fn.argtypes = [ptr] * 8 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                           ctypes.c_float, ctypes.c_int]
+                                           ctypes.c_float, ctypes.c_int, ptr]
     fn.restype = ctypes.c_int
     lib.has_bf16_dot.argtypes, lib.has_bf16_dot.restype = [], ctypes.c_int
     return lib
@@ -76,7 +79,7 @@ KV_FORMATS = {torch.float32: 0, FP8_DTYPE: 1, torch.bfloat16: 2}
 def supports(q: Tensor, k_cache: Tensor) -> bool:
     """Whether the kernel can run this attention: float32 or bfloat16 queries and a float32,
     bfloat16 or fp8 cache in CPU memory, and a head size that is a whole number of the kernel's
-    vectors (64, 80, 96, 128, 256... not 72)."""
+    vectors (64, 80, 96, 128, 256, 512... not 72)."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype in KV_FORMATS
             and k_cache.shape[-1] % VECTOR_WIDTH == 0)
 
@@ -92,6 +95,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None,
     kv_scales: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Write into out[token_indices] the attention of q[token_indices] (one token per request)
     over each request's first seq_lens[r] cached positions, read through block_tables[r].
@@ -103,7 +107,8 @@ def decode_attention(
     the fused qkv output), else from a contiguous copy;
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or fp8 (read times
     kv_scales[0] and kv_scales[1]); token_indices, seq_lens: [n] int64; block_tables:
-    [n, >= max blocks] int64. Requires `load()` to have returned a library.
+    [n, >= max blocks] int64; sinks: [num_heads] float32 sink logits (gpt-oss), or None. Requires
+    `load()` to have returned a library.
     """
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -113,6 +118,7 @@ def decode_attention(
     for t in (out, k_cache, v_cache, token_indices, block_tables, seq_lens):
         assert t.is_contiguous(), "the kernel reads raw memory: tensors must be contiguous"
     assert q.dtype == out.dtype, "q and out share one dtype"
+    check_sinks(sinks, num_heads)
     bf16 = q.dtype == torch.bfloat16
     fp8 = k_cache.dtype == FP8_DTYPE
     k_scale, v_scale = kv_scales.tolist() if fp8 and kv_scales is not None else (1.0, 1.0)
@@ -122,6 +128,7 @@ def decode_attention(
         token_indices.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         n, q.stride(0), block_tables.shape[1], num_blocks, block_size, num_heads, num_kv_heads, head_dim,
         scale, sliding_window or 0, torch.get_num_threads(), kv_format, k_scale, v_scale, int(bf16),
+        None if sinks is None else sinks.data_ptr(),
     )
     check_status(status, "decode", block_tables, seq_lens, num_blocks, block_size)
 
@@ -138,6 +145,7 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None,
     kv_scales: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Write into out the attention of multi-token requests: request r's new tokens are rows
     q_starts[r] .. q_starts[r] + num_new[r] - 1 of q, at positions seq_lens[r] - num_new[r] ..
@@ -147,6 +155,7 @@ def prefill_attention(
     except bfloat16 q over a bfloat16 cache where `has_bf16_dot`); the rest as for
     `decode_attention`; q_starts, num_new, seq_lens: [n] int64."""
     assert q.dtype == out.dtype, "q and out share one dtype"
+    check_sinks(sinks, q.shape[1])
     lib = load()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for t in (q, out, k_cache, v_cache, q_starts, num_new, block_tables, seq_lens):
@@ -158,9 +167,17 @@ def prefill_attention(
         q_starts.data_ptr(), num_new.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         q_starts.shape[0], block_tables.shape[1], num_blocks, block_size, q.shape[1], num_kv_heads, head_dim,
         scale, sliding_window or 0, torch.get_num_threads(), KV_FORMATS[k_cache.dtype], k_scale, v_scale,
-        int(q.dtype == torch.bfloat16),
+        int(q.dtype == torch.bfloat16), None if sinks is None else sinks.data_ptr(),
     )
     check_status(status, "prefill", block_tables, seq_lens, num_blocks, block_size)
+
+
+def check_sinks(sinks: Tensor | None, num_heads: int) -> None:
+    """The kernels read sink logits as raw float32, one per query head."""
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.shape == (num_heads,), \
+            f"sinks must be [{num_heads}] contiguous float32, got {tuple(sinks.shape)} {sinks.dtype}"
+        assert sinks.device.type == "cpu", "sinks must be in CPU memory"
 
 
 # The kernels' status codes (csrc/paged_attention.h); the last two only from a checked build.

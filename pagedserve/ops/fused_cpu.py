@@ -32,7 +32,7 @@ def load() -> ctypes.CDLL | None:
     ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.rms_norm.argtypes = [ptr] * 4 + [i64, i64, ctypes.c_float, i64, i64, c_int, c_int, c_int]
     lib.act_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int, c_int]
-    lib.rotary.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, c_int, c_int]
+    lib.rotary.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, c_int, c_int]
     lib.gather_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, c_int]
     lib.scatter_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, c_int]
     lib.gather_scaled_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, c_int, c_int]
@@ -85,11 +85,14 @@ def act_and_mul(gate_up: Tensor, activation: str = "silu") -> Tensor:
 def rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [num_tokens, heads, head_dim] in place (heads contiguous within a token; tokens
     may be further apart, as in a view of the fused qkv output) by cos, sin [num_tokens,
-    head_dim / 2] (contiguous, x's dtype)."""
+    rotary_dim / 2] (contiguous, x's dtype): the first rotary_dim dims of each head, all of them
+    or a partial rotary's share."""
     n, heads, head_dim = x.shape
+    rotary_dim = 2 * cos.shape[-1]
     assert x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous() and sin.is_contiguous()
+    assert rotary_dim <= head_dim and cos.shape == sin.shape == (n, rotary_dim // 2)
     native.call(load().rotary, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, x.stride(0), heads, head_dim,
-                _DTYPES[x.dtype], torch.get_num_threads())
+                rotary_dim, _DTYPES[x.dtype], torch.get_num_threads())
     return x
 
 

@@ -41,7 +41,7 @@ from pagedserve.ops import native
 KINDS = {"linear": (0, 1), "rms_norm": (1, 4), "act_and_mul": (2, 2), "rotary": (3, 3),
          "paged_decode_attention": (4, 7), "gather_rows": (5, 4), "scatter_rows": (6, 5), "quant_linear": (7, 1),
          "quant_rows": (8, 4), "lora_add": (9, 1), "gather_scaled_rows": (10, 4)}
-MAX_INTS, MAX_FLOATS = 19, 3
+MAX_INTS, MAX_FLOATS = 20, 3
 ALIGN = 64  # bytes: each intermediate's place in the arena, as torch aligns its allocations
 
 
@@ -104,17 +104,20 @@ class CpuDecodeGraph:
     """Replays the decode forward of up to `size` requests (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], size: int, max_blocks: int,
-                 block_size: int, backend) -> None:
+                 block_size: int, backend, layer_groups: list[int] | None = None) -> None:
+        """kv_caches: each layer's; layer_groups: each layer's KV cache group (default: one group),
+        whose slots and block tables the replay reads from buffers of their own."""
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.size, self.block_size = size, block_size
+        self.layer_groups = layer_groups
+        num_groups = 1 + max(layer_groups) if layer_groups else 1
         self.input_ids = torch.zeros(size, dtype=torch.int64)
         self.positions = torch.zeros(size, dtype=torch.int64)
-        self.slot_mapping = torch.zeros(size, dtype=torch.int64)
-        self.block_tables = torch.zeros((size, max_blocks), dtype=torch.int64)
+        self.slot_mapping = torch.zeros((num_groups, size), dtype=torch.int64)
+        self.block_tables = torch.zeros((num_groups, size, max_blocks), dtype=torch.int64)
         self.seq_lens = torch.ones(size, dtype=torch.int64)
-        # Kept: the calls point into its tensors (the decode rows' indices among them).
-        self.md = backend.static_decode_metadata(self.slot_mapping, self.positions, self.block_tables,
-                                                 self.seq_lens, block_size)
+        # Kept: the calls point into their tensors (the decode rows' indices among them).
+        self.mds = self._static_metadata(size)
         # Recording runs the forward, which writes K/V into slot 0: block 0's contents are put back.
         saved = [(c.k[0].clone(), c.v[0].clone()) for c in kv_caches]
         try:
@@ -127,11 +130,16 @@ class CpuDecodeGraph:
         self.params = list(model.parameters())
         self.weights = self._weights()
 
+    def _static_metadata(self, rows: int) -> list[AttentionMetadata]:
+        """Each group's metadata over the first `rows` rows of the static buffers."""
+        return [self.backend.static_decode_metadata(slots[:rows], self.positions[:rows], tables[:rows],
+                                                    self.seq_lens[:rows], self.block_size)
+                for slots, tables in zip(self.slot_mapping, self.block_tables)]
+
     def _forward(self, rows: int) -> Tensor:
         """The eager forward of the first `rows` requests of the static buffers."""
-        md = self.md if rows == self.size else self.backend.static_decode_metadata(
-            self.slot_mapping[:rows], self.positions[:rows], self.block_tables[:rows], self.seq_lens[:rows],
-            self.block_size)
+        mds = self.mds if rows == self.size else self._static_metadata(rows)
+        md = [mds[g] for g in self.layer_groups] if self.layer_groups else mds[0]
         return self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, md)
 
     def _weights(self) -> list[tuple[int, int]]:
@@ -154,19 +162,23 @@ class CpuDecodeGraph:
         except NotRecordable as e:
             return f"the forward does work outside the C kernels: {e}"
 
-    def can_run(self, md: AttentionMetadata) -> bool:
-        """Whether this step is decodes only, few enough, with tables that fit the buffers."""
+    def can_run(self, mds: AttentionMetadata | list[AttentionMetadata]) -> bool:
+        """Whether this step (each group's metadata) is decodes only, few enough, with tables that
+        fit the buffers."""
+        md = mds[0] if isinstance(mds, list) else mds
         return (md.max_query_len == 1 and md.num_reqs <= self.size
-                and md.block_tables.shape[1] <= self.block_tables.shape[1] and self._weights() == self.weights)
+                and md.block_tables.shape[1] <= self.block_tables.shape[2] and self._weights() == self.weights)
 
-    def run(self, input_ids: Tensor, md: AttentionMetadata) -> Tensor:
+    def run(self, input_ids: Tensor, mds: AttentionMetadata | list[AttentionMetadata]) -> Tensor:
         """The forward's hidden states [n, hidden] of a step that `can_run`; valid until the next run."""
-        n, width = md.num_reqs, md.block_tables.shape[1]
+        mds = mds if isinstance(mds, list) else [mds]
+        n, width = mds[0].num_reqs, mds[0].block_tables.shape[1]
         self.input_ids[:n] = input_ids
-        self.positions[:n] = md.positions
-        self.slot_mapping[:n] = md.slot_mapping
-        self.block_tables[:n, :width] = md.block_tables  # columns past width: stale, never read (past seq_len)
-        self.seq_lens[:n] = md.seq_lens
+        self.positions[:n] = mds[0].positions
+        self.seq_lens[:n] = mds[0].seq_lens
+        for g, md in enumerate(mds):
+            self.slot_mapping[g, :n] = md.slot_mapping
+            self.block_tables[g, :n, :width] = md.block_tables  # columns past width: stale, never read
         failed = load().replay(ctypes.addressof(self.calls), len(self.calls), n)
         if failed:
             kind = next(name for name, (k, _) in KINDS.items() if k == self.calls[failed - 1].kind)

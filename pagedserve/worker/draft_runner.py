@@ -52,8 +52,14 @@ class DraftRunner:
             raise ValueError(f"speculative_config: the draft model {spec.model!r} does not share the model's "
                              "tokenizer: its drafts would be other tokens")
         # The draft runs whole, in the planning process, whatever the model's tensor parallelism.
+        # Its layers keep K/V for every token, in the blocks of the model's first full-attention KV
+        # cache group (of its first group, where the model has none: the draft then reads, outside
+        # that group's windows, K/V of other tokens, and drafts worse; the model's check keeps the
+        # output exact).
         draft_config = dataclasses.replace(config, model=spec.model, tensor_parallel_size=1, speculative_config=None,
-                                           quantization=spec.quantization or "auto")
+                                           quantization=spec.quantization or "auto", disable_hybrid_kv_cache=True)
+        windows = target.kv_layout(config.disable_hybrid_kv_cache).windows
+        self.group = windows.index(None) if None in windows else 0
         module, self.model_config = load_model(spec.model, draft_config.torch_dtype, draft_config.device,
                                                quantization=draft_config.quantization)
         if self.model_config.vocab_size != target.vocab_size:
@@ -84,8 +90,9 @@ class DraftRunner:
             return
         computed = [r.num_computed_tokens for r in plan.requests]
         seq_lens = [c + n for c, n in zip(computed, plan.num_new_tokens)]
-        tables = self.tables.update([r.request_id for r in plan.requests], plan.new_block_ids, plan.new_tables,
-                                    computed, seq_lens, plan.freed)
+        tables = self.tables.update([r.request_id for r in plan.requests],
+                                    [per_group[self.group] for per_group in plan.new_block_ids], plan.new_tables,
+                                    computed, seq_lens, plan.freed)[None]  # [1 group, requests, blocks]
         self.runner.copy_blocks(plan.block_copies)
         # 1. Catch up on every request's known tokens; the last one's logits draft for the speculating.
         starts, ends, input_ids = [], [], []
@@ -126,7 +133,7 @@ class DraftRunner:
                 index = [speculating[r] for r in rows]
                 positions = [ends[i] + j for i in index]  # where draft j + 1 goes
                 logits = self.runner.run(StepInputs([plan.spec_token_ids[i][j] for i in index], positions,
-                                                    [1] * len(index), tables[torch.tensor(index)], [],
+                                                    [1] * len(index), tables[:, torch.tensor(index)], [],
                                                     list(range(len(index)))))
                 for i, p in zip(index, positions):
                     self._computed[plan.requests[i].request_id] = p + 1

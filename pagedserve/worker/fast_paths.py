@@ -92,7 +92,7 @@ def replay_skipped(model_config: ModelConfig, config: EngineConfig,
             return f"attention_backend={config.attention_backend!r}: CUDA graphs need the Triton backend"
         if config.enable_lora:
             return "LoRA: the adapters' grouped matmuls change shape with each step's mix of adapters"
-        return None
+        return _several_groups(model_config, config)
     if device != "cpu":
         return f"no decode replays on {device}"
     unavailable = _not_loaded(cpu_graphs.load, "replay")
@@ -103,4 +103,10 @@ def replay_skipped(model_config: ModelConfig, config: EngineConfig,
     for name in (CPU_ATTENTION, CPU_LINEAR, CPU_FUSED_OPS):
         if kernels.get(name) is not None:
             return f"part of the forward runs outside the C kernels ({name}: {kernels[name]})"
+    return None
+
+
+def _several_groups(model_config: ModelConfig, config: EngineConfig) -> str | None:
+    if model_config.kv_layout(config.disable_hybrid_kv_cache).num_groups > 1:
+        return "layers of several KV cache groups: CUDA graphs hold one block table per request"
     return None

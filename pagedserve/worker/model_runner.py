@@ -40,7 +40,7 @@ class StepInputs:
     input_ids: list[int]                   # the scheduled tokens of every request, one after another
     num_computed: list[int]                # per request: tokens already in its KV blocks
     num_new: list[int]                     # per request: tokens this step runs
-    block_tables: torch.Tensor             # [requests, blocks], int64, padded with 0
+    block_tables: torch.Tensor             # [KV cache groups, requests, blocks], int64, padded with 0
     block_copies: list[tuple[int, int]]    # copy-on-write (src, dst) pairs, done before the pass
     logits_rows: list[int]                 # tokens (indices into input_ids) whose logits are wanted
     lora_token_slots: list[int] | None = None  # LoRA: per token its adapter's slot (-1: the base model)
@@ -77,10 +77,14 @@ class ModelRunner:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         if self.device.type == "cpu":
             heap.keep_freed_memory()  # each step's temporaries reuse the last step's pages
+        # The pool's buffers (one per layer of a KV cache group: kv/groups.py), and each layer's view
+        # of its buffer (with its own fp8 scales).
+        self.kv_layout = model_config.kv_layout(config.disable_hybrid_kv_cache)
         self.kv_caches: list[KVCache] = []
+        self.layer_caches: list[KVCache] = []
         # Chosen once; it builds each step's metadata, and the model's attention layers run it.
         self.attention_backend = get_backend(config.attention_backend, self.device, config.kv_torch_dtype)
-        self.block_table_rows = BlockTableRows(self.block_size)
+        self.block_table_rows = [BlockTableRows(self.block_size) for _ in self.kv_layout.groups]
         self.decode_graphs: DecodeGraphs | CpuDecodeGraph | None = None
         # calculate_kv_scales (EngineConfig allows it with fp8 only): the first real step sets every layer's scales.
         self.calibrate_kv_scales = config.calculate_kv_scales
@@ -94,8 +98,14 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
         kv_heads = kv_heads_per_rank(c.num_kv_heads, self.config.tensor_parallel_size)  # this rank's
-        self.kv_caches = allocate_kv_cache(c.num_layers, num_blocks, self.block_size, kv_heads, c.head_dim,
-                                           self.config.kv_torch_dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.kv_layout.layers_per_block, num_blocks, self.block_size, kv_heads,
+                                           c.head_dim, self.config.kv_torch_dtype, self.device)
+        if self.kv_layout.num_groups == 1:
+            self.layer_caches = self.kv_caches
+        else:
+            self.layer_caches = [KVCache(self.kv_caches[slot].k, self.kv_caches[slot].v,
+                                         torch.ones(2, dtype=torch.float32, device=self.device))
+                                 for _, slot in self.kv_layout.layer_places()]
 
     def open_kv_tier(self) -> FileTier | None:
         """The file tier of kv_offload_dir, for this pool's layout (None when it is not set). Its
@@ -110,6 +120,8 @@ class ModelRunner:
                     "quantization": config.quantization, "dtype": config.dtype,
                     "kv_dtype": str(config.kv_torch_dtype), "block_size": self.block_size,
                     "layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+        if self.kv_layout.num_groups > 1:  # a block's pages hold one group's layers
+            identity["kv_groups"] = [[g.window, list(g.layers)] for g in self.kv_layout.groups]
         self.kv_tier = FileTier(config.kv_offload_dir, config.kv_offload_bytes, identity,
                                 transfer.block_bytes(self.kv_caches), read_timeout=config.kv_offload_read_timeout)
         return self.kv_tier
@@ -138,15 +150,15 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        md = self._metadata(tables, [0] * len(lens), lens)
-        hidden = self.model(torch.zeros(total_tokens, dtype=torch.int64, device=self.device), md.positions,
-                            self.kv_caches, md)
+        md = self._metadata(self._every_group(tables), [0] * len(lens), lens)
+        hidden = self.model(torch.zeros(total_tokens, dtype=torch.int64, device=self.device), md[0].positions,
+                            self.layer_caches, self._per_layer(md))
         logits = self.model.compute_logits(hidden[: min(total_tokens, self.config.max_num_seqs)]).float()
         torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)  # top-p / top-k's temporaries
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden, logits, md
-        self.kv_caches = []
+        self.kv_caches = self.layer_caches = []
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return kv_budget_from_gpu_memory(total, free, peak, self.config.gpu_memory_utilization)
@@ -160,9 +172,10 @@ class ModelRunner:
             kernels = self._cpu_kernel_paths()
             skipped = fast_paths.replay_skipped(self.model_config, self.config, kernels)
             if skipped is None and self.device.type == "cpu":
+                groups = [g for g, _ in self.kv_layout.layer_places()] if self.kv_layout.num_groups > 1 else None
                 graph = CpuDecodeGraph.attempt(
-                    self.model, self.kv_caches, min(self.max_decode_rows, cpu_linear.MAX_ROWS),
-                    cdiv(max_model_len, self.block_size), self.block_size, self.attention_backend)
+                    self.model, self.layer_caches, min(self.max_decode_rows, cpu_linear.MAX_ROWS),
+                    cdiv(max_model_len, self.block_size), self.block_size, self.attention_backend, groups)
                 self.decode_graphs, skipped = (graph, None) if isinstance(graph, CpuDecodeGraph) else (None, graph)
             self._note_fast_paths({fast_paths.DECODE_REPLAY: skipped, **kernels})
             if skipped is not None or self.device.type == "cpu":
@@ -218,7 +231,12 @@ class ModelRunner:
         one reads (a block's content counts only once a request has computed into it)."""
         lens, tables, _ = self._dummy_prompts(num_tokens, min(max_model_len, WARM_UP_PROMPT_LEN))
         rows = list(itertools.accumulate(lens))  # each prompt's last token samples, as in a real step
-        return StepInputs([0] * num_tokens, [0] * len(lens), lens, tables, [], [r - 1 for r in rows])
+        return StepInputs([0] * num_tokens, [0] * len(lens), lens, self._every_group(tables), [],
+                          [r - 1 for r in rows])
+
+    def _every_group(self, tables: torch.Tensor) -> torch.Tensor:
+        """[groups, requests, blocks]: the same tables for every group (dummy steps)."""
+        return tables.expand(self.kv_layout.num_groups, *tables.shape)
 
     def _dummy_prompts(self, num_tokens: int, max_len: int) -> tuple[list[int], torch.Tensor, int]:
         """`num_tokens` as prompts of at most `max_len` (their lengths), their block tables over the
@@ -230,8 +248,16 @@ class ModelRunner:
                                for i in range(len(lens))], dtype=torch.int64)
         return lens, tables, first[-1]
 
-    def _metadata(self, block_tables, computed, num_new) -> AttentionMetadata:
-        return self.attention_backend.build_metadata(block_tables, computed, num_new, self.block_size, self.device)
+    def _metadata(self, block_tables: torch.Tensor, computed, num_new) -> list[AttentionMetadata]:
+        """The step's metadata of each KV cache group, from its tables (`block_tables[g]`)."""
+        return [self.attention_backend.build_metadata(tables, computed, num_new, self.block_size, self.device)
+                for tables in block_tables]
+
+    def _per_layer(self, mds: list[AttentionMetadata]) -> AttentionMetadata | list[AttentionMetadata]:
+        """What the model's forward takes: one metadata for every layer, or each layer its group's."""
+        if len(mds) == 1:
+            return mds[0]
+        return [mds[g] for g, _ in self.kv_layout.layer_places()]
 
     def execute(self, plan: SchedulerOutput, sample_rows: list[int],
                 prompt_spans: list[tuple[int, int, int]] = ()) -> torch.Tensor:
@@ -252,8 +278,10 @@ class ModelRunner:
             input_ids += request.all_token_ids[start : start + n - len(drafts)]
             input_ids += drafts  # speculative decoding: the drafts after the known tokens
         seq_lens = [c + n for c, n in zip(computed, plan.num_new_tokens)]
-        tables = self.block_table_rows.update([r.request_id for r in plan.requests], plan.new_block_ids,
-                                              plan.new_tables, computed, seq_lens, plan.freed)
+        ids = [r.request_id for r in plan.requests]
+        tables = torch.stack([rows.update(ids, [per_group[g] for per_group in plan.new_block_ids], plan.new_tables,
+                                          computed, seq_lens, plan.freed)
+                              for g, rows in enumerate(self.block_table_rows)])
         starts = list(itertools.accumulate(plan.num_new_tokens, initial=0))  # each request's first token
         num_drafts = [len(d) for d in plan.spec_token_ids] if plan.has_drafts else [0] * len(plan.requests)
         # A sampling request's last token gives logits, and so does each of its drafts.
@@ -286,7 +314,7 @@ class ModelRunner:
                 rows_computed += range(c, c + n)
                 rows_new += [1] * n
                 index += [i] * n
-        return rows_computed, rows_new, tables[torch.tensor(index)]
+        return rows_computed, rows_new, tables[:, torch.tensor(index)]
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -298,13 +326,16 @@ class ModelRunner:
         lora_batch = getattr(self.model, "lora_batch", None)
         if lora_batch is not None:
             lora_batch.set(inputs.lora_token_slots or [-1] * len(inputs.input_ids))
-        md = self._metadata(inputs.block_tables, inputs.num_computed, inputs.num_new)
+        mds = self._metadata(inputs.block_tables, inputs.num_computed, inputs.num_new)
+        md = mds[0]
         ids = torch.tensor(inputs.input_ids, device=self.device)
-        if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(md):
-            hidden = self.decode_graphs.run(ids, md)
+        graph_md = mds if len(mds) > 1 else md  # (CUDA graphs: one group only)
+        if self.decode_graphs is not None and not self.calibrate_kv_scales and self.decode_graphs.can_run(graph_md):
+            hidden = self.decode_graphs.run(ids, graph_md)
         else:
-            md.calculate_kv_scales = self.calibrate_kv_scales
-            hidden = self.model(ids, md.positions, self.kv_caches, md)
+            for group_md in mds:
+                group_md.calculate_kv_scales = self.calibrate_kv_scales
+            hidden = self.model(ids, md.positions, self.layer_caches, self._per_layer(mds))
             self.calibrate_kv_scales = False  # only once a pass has set every layer's scales
         if not inputs.logits_rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)

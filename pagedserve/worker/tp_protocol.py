@@ -32,8 +32,8 @@ def header(op: int, *args: int) -> Tensor:
 
 def pack_step(inputs: StepInputs) -> tuple[Tensor, Tensor]:
     """(header, payload) of a step."""
-    tables = inputs.block_tables.to(torch.int64)
-    num_reqs, width = tables.shape
+    tables = inputs.block_tables.to(torch.int64)  # [groups, requests, width]: each rank knows the groups
+    _, num_reqs, width = tables.shape
     copies = [i for pair in inputs.block_copies for i in pair]
     slots = inputs.lora_token_slots or []
     loads = list(json.dumps([[slot, a.lora_name, a.lora_int_id, a.lora_path] for slot, a in inputs.lora_loads])
@@ -45,18 +45,19 @@ def pack_step(inputs: StepInputs) -> tuple[Tensor, Tensor]:
     return head, torch.cat([lists, tables.reshape(-1), rest])
 
 
-def payload_len(head: Tensor) -> int:
+def payload_len(head: Tensor, num_groups: int = 1) -> int:
+    """The payload's length, for a model of `num_groups` KV cache groups."""
     tokens, reqs, width, copies, rows, has_slots, load_bytes = head[1:8].tolist()
-    return tokens + 2 * reqs + reqs * width + 2 * copies + rows + has_slots * tokens + load_bytes
+    return tokens + 2 * reqs + num_groups * reqs * width + 2 * copies + rows + has_slots * tokens + load_bytes
 
 
-def unpack_step(head: Tensor, payload: Tensor) -> StepInputs:
+def unpack_step(head: Tensor, payload: Tensor, num_groups: int = 1) -> StepInputs:
     tokens, reqs, width, copies, rows, has_slots, load_bytes = head[1:8].tolist()
     ids, computed, new, tables, pairs, logits_rows, slots, loads = payload.split(
-        [tokens, reqs, reqs, reqs * width, 2 * copies, rows, has_slots * tokens, load_bytes])
+        [tokens, reqs, reqs, num_groups * reqs * width, 2 * copies, rows, has_slots * tokens, load_bytes])
     pairs = pairs.tolist()
     lora_loads = [(slot, LoRARequest(*fields)) for slot, *fields in json.loads(bytes(loads.tolist()))] \
         if load_bytes else []
-    return StepInputs(ids.tolist(), computed.tolist(), new.tolist(), tables.view(reqs, width),
+    return StepInputs(ids.tolist(), computed.tolist(), new.tolist(), tables.view(num_groups, reqs, width),
                       list(zip(pairs[0::2], pairs[1::2])), logits_rows.tolist(),
                       slots.tolist() if has_slots else None, lora_loads)

@@ -105,10 +105,10 @@ def _loop(runner, control) -> None:
         if op == protocol.SHUTDOWN:
             return
         if op == protocol.STEP:
-            payload = torch.empty(protocol.payload_len(head), dtype=torch.int64)
+            payload = torch.empty(protocol.payload_len(head, runner.kv_layout.num_groups), dtype=torch.int64)
             dist.broadcast(payload, src=0, group=control)
             try:
-                runner.run(protocol.unpack_step(head, payload))
+                runner.run(protocol.unpack_step(head, payload, runner.kv_layout.num_groups))
             except Exception:
                 # The driver hit the same error at the same point (the pass is the same code on
                 # every rank) and contains it; if not, its next collective times out.

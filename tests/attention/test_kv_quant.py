@@ -67,8 +67,9 @@ def test_oracle_on_fp8_stays_close_to_float32():
     assert torch.equal(k8.view(-1, 2, 64)[rows].view(torch.uint8), quantize(k, SCALES[0]).view(torch.uint8))
 
 
+@pytest.mark.parametrize("sinks", [None, torch.tensor([-3.0, 0.5, 2.0, -1.0, 25.0, -25.0])])
 @pytest.mark.parametrize("path", ["c-kernel", "sdpa-groups", "triton", "triton-split"])
-def test_backends_read_and_write_fp8_as_the_oracle(path, monkeypatch):
+def test_backends_read_and_write_fp8_as_the_oracle(path, monkeypatch, sinks):
     if path == "sdpa-groups":  # the fallback when the C kernel cannot run
         monkeypatch.setattr(cpu_attention, "supports", lambda q, k_cache: False)
     if path == "triton-split":  # decodes split over parts of 16 tokens, then merged
@@ -77,8 +78,8 @@ def test_backends_read_and_write_fp8_as_the_oracle(path, monkeypatch):
     module = triton_paged if path.startswith("triton") else sdpa
     q, k, v, k8, v8, md = fp8_step(SCALES, seed=1, backend="triton" if module is triton_paged else "torch")
     ref_k, ref_v = k8.clone(), v8.clone()
-    expected = torch_ref.paged_attention(q, k, v, ref_k, ref_v, md, 0.125, 6, SCALES)
-    out = module.paged_attention(q, k, v, k8, v8, md, 0.125, 6, SCALES)
+    expected = torch_ref.paged_attention(q, k, v, ref_k, ref_v, md, 0.125, 6, SCALES, sinks)
+    out = module.paged_attention(q, k, v, k8, v8, md, 0.125, 6, SCALES, sinks)
     assert torch.equal(k8.view(torch.uint8), ref_k.view(torch.uint8))  # same rounding as torch's cast
     assert torch.equal(v8.view(torch.uint8), ref_v.view(torch.uint8))
     assert (out - expected).abs().max().item() < 1e-4

@@ -1,5 +1,6 @@
 """The oracle (attention/torch_ref.py): paged attention against dense attention (paging changes
-where K/V live, never the result), and it shares no code with the backends it checks."""
+where K/V live, never the result), with and without sinks (against transformers' gpt-oss eager
+attention too), and it shares no code with the backends it checks."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager_attention
 
 from pagedserve.attention.kv_cache import allocate_kv_cache
 from pagedserve.attention.metadata import AttentionMetadata, BatchedDecodeMetadata
@@ -23,9 +26,9 @@ from pagedserve.attention.torch_ref import paged_attention
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def dense_attention(q, k, v, context_len: int, scale: float, window: int | None) -> torch.Tensor:
+def dense_attention(q, k, v, context_len: int, scale: float, window: int | None, sinks=None) -> torch.Tensor:
     """Textbook attention for one request in float64: q [new, H, D] at the last positions of a
-    context k, v [context_len, KVH, D]."""
+    context k, v [context_len, KVH, D]; sinks [H]: one more logit per head, with no value."""
     heads, kv_heads = q.shape[1], k.shape[1]
     k = k.double().repeat_interleave(heads // kv_heads, dim=1)
     v = v.double().repeat_interleave(heads // kv_heads, dim=1)
@@ -35,7 +38,10 @@ def dense_attention(q, k, v, context_len: int, scale: float, window: int | None)
     allowed = k_pos <= q_pos
     if window is not None:
         allowed &= k_pos > q_pos - window
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
+    probs = scores.softmax(-1)[..., :context_len]
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -49,16 +55,19 @@ def batches(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     kv_heads, group = draw(st.sampled_from([(1, 4), (2, 2), (4, 1), (2, 3)]))
     window = draw(st.sampled_from([None, None, 1, 5]))
+    # Sinks: none, or normal logits times this (x 40: some heads all sink, some with none to speak of)
+    sink_scale = draw(st.sampled_from([None, None, 1.0, 4.0, 40.0]))
     seed = draw(st.integers(0, 2**16))
-    return [reqs[i] for i in order], block_size, kv_heads, group, window, seed
+    return [reqs[i] for i in order], block_size, kv_heads, group, window, sink_scale, seed
 
 
 @settings(max_examples=60, deadline=None)
 @given(batches())
 def test_paged_matches_dense(batch):
-    reqs, block_size, kv_heads, group, window, seed = batch
+    reqs, block_size, kv_heads, group, window, sink_scale, seed = batch
     gen = torch.Generator().manual_seed(seed)
     heads, dim = kv_heads * group, 8
+    sinks = None if sink_scale is None else torch.randn(heads, generator=gen) * sink_scale
     seq_lens = [c + n for c, n in reqs]
     needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(needed) + 3  # three blocks nobody owns: they must stay untouched
@@ -81,9 +90,9 @@ def test_paged_matches_dense(batch):
     md = AttentionMetadata.build(tables, [c for c, _ in reqs], [n for _, n in reqs], block_size, "cpu")
     new_k = torch.cat([k[c:] for k, (c, _) in zip(ks, reqs)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(vs, reqs)])
-    out = paged_attention(torch.cat(qs), new_k, new_v, k_cache, v_cache, md, 0.3, window)
+    out = paged_attention(torch.cat(qs), new_k, new_v, k_cache, v_cache, md, 0.3, window, sinks=sinks)
 
-    expected = torch.cat([dense_attention(q, k, v, s, 0.3, window) for q, k, v, s in zip(qs, ks, vs, seq_lens)])
+    expected = torch.cat([dense_attention(q, k, v, s, 0.3, window, sinks) for q, k, v, s in zip(qs, ks, vs, seq_lens)])
     assert (out.double() - expected).abs().max().item() < 1e-5
     # Every request's whole context now sits in its blocks; unowned blocks are still zero.
     for table, k, v, s in zip(tables, ks, vs, seq_lens):
@@ -91,6 +100,38 @@ def test_paged_matches_dense(batch):
         assert torch.equal(v_cache[table].flatten(0, 1)[:s], v)
     spare = perm[used:]
     assert not k_cache[spare].any() and not v_cache[spare].any()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("cached", [0, 13])
+def test_sinks_as_transformers_gpt_oss_eager_attention(cached, window):
+    """The oracle with sinks against transformers' own gpt-oss eager attention, in float32: one
+    request's new tokens (a whole prompt, or a chunk behind cached tokens) over its context, GQA,
+    with an additive causal (and windowed) mask as transformers builds it, sinks of both signs."""
+    gen = torch.Generator().manual_seed(cached)
+    kv_heads, group, dim, new, block_size = 2, 3, 16, 9, 4
+    heads, context = kv_heads * group, cached + new
+    q = torch.randn(new, heads, dim, generator=gen) * 2
+    k, v = torch.randn(context, kv_heads, dim, generator=gen), torch.randn(context, kv_heads, dim, generator=gen)
+    sinks = torch.tensor([3.0, -2.0, 0.5, 9.0, -30.0, 1.5])
+    table = torch.randperm(8, generator=gen)[: -(-context // block_size)].tolist()
+    [(k_cache, v_cache, _)] = allocate_kv_cache(1, 8, block_size, kv_heads, dim, torch.float32, "cpu")
+    for t in range(cached):
+        k_cache[table[t // block_size], t % block_size] = k[t]
+        v_cache[table[t // block_size], t % block_size] = v[t]
+    md = AttentionMetadata.build([table], [cached], [new], block_size, "cpu")
+    out = paged_attention(q, k[cached:], v[cached:], k_cache, v_cache, md, dim**-0.5, window, sinks=sinks)
+
+    q_pos, k_pos = torch.arange(cached, context)[:, None], torch.arange(context)[None, :]
+    allowed = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=group, training=False)
+    expected, _ = gpt_oss_eager_attention(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          v.transpose(0, 1)[None], mask[None, None], dim**-0.5)
+    assert (out - expected[0]).abs().max().item() < 1e-5
+    # The sinks matter here: without them the result is another
+    plain = paged_attention(q, k[cached:], v[cached:], k_cache.clone(), v_cache.clone(), md, dim**-0.5, window)
+    assert (plain - expected[0]).abs().max().item() > 0.1
 
 
 def test_metadata_by_hand():

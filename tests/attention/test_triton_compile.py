@@ -26,10 +26,11 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spilling(tmp_path):
     result = run_python(["scripts/triton_compile.py", "--quick", "--arch", "90", "80"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    # 2 shapes x 5 launches (KV write, decode, split decode, combine, prefill) x 3 dtypes on sm_90,
-    # x 2 on sm_80 (no fp8 e4m3 there).
-    assert lines[-1] == "50 compiled, 0 failed, 0 spilled"
-    assert sum(line.startswith("ok    sm_90") and "_decode" in line for line in lines) == 12
+    # 2 shapes x 8 launches (KV write, decode, split decode, combine, prefill; the three attention
+    # kernels again with sinks) x 3 dtypes on sm_90, x 2 on sm_80 (no fp8 e4m3 there).
+    assert lines[-1] == "80 compiled, 0 failed, 0 spilled"
+    assert sum(line.startswith("ok    sm_90") and "_decode" in line for line in lines) == 24
+    assert sum(line.startswith("ok    sm_90") and "HAS_SINKS=True" in line for line in lines) == 18
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """The Triton backend (attention/triton_paged.py) under Triton's interpreter (TRITON_INTERPRET=1,
 set in conftest.py), against the oracle: decodes and prompts in one flat batch, over shuffled
 block tables; head sizes 64, 80 and 128; cache blocks of 8, 16 and 32; GQA groups 1, 3 and 8;
-contexts of one token, whole blocks and part blocks; a chunk behind a prefix-cache hit; windows.
-Small shapes: the interpreter runs programs one after another."""
+contexts of one token, whole blocks and part blocks; a chunk behind a prefix-cache hit; windows;
+sinks (split decode's included). Small shapes: the interpreter runs programs one after another."""
 
 from __future__ import annotations
 
@@ -54,6 +54,48 @@ def test_half_precision_cache(dtype, tolerance, block_size):
     assert (out.float() - expected).abs().max().item() < tolerance
 
 
+def sinks_for(heads: int) -> torch.Tensor:
+    """Sink logits of both signs, one far above every score and one far below."""
+    sinks = torch.linspace(-4, 4, heads)
+    sinks[0], sinks[-1] = -30.0, 30.0
+    return sinks
+
+
+@pytest.mark.parametrize("block_size, kv_heads, group, dim", [
+    (16, 3, 3, 64), (8, 2, 1, 80), (32, 1, 8, 128), (16, 2, 2, 256),
+])
+@pytest.mark.parametrize("window", [None, 6])
+def test_sinks_match_the_oracle(block_size, kv_heads, group, dim, window):
+    q, k, v, k_cache, v_cache, md = mixed_step(block_size, kv_heads, group, dim, seed=1)
+    q *= 3  # scores that reach past some sinks and stay below others
+    sinks = sinks_for(kv_heads * group)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    out = triton_paged.paged_attention(q, k, v, k_cache, v_cache, md, dim**-0.5, window, sinks=sinks)
+    expected = torch_ref.paged_attention(q, k, v, ref_k, ref_v, md, dim**-0.5, window, sinks=sinks)
+    assert (out - expected).abs().max().item() < 1e-4
+    plain = torch_ref.paged_attention(q, k, v, ref_k.clone(), ref_v.clone(), md, dim**-0.5, window)
+    assert (plain - expected).abs().max().item() > 0.1  # the sinks took mass
+    assert expected[:, -1].abs().max().item() < 1e-3  # the sink far above: (nearly) nothing of V
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float16, 1e-2), (torch.bfloat16, 4e-2)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_half_precision_with_sinks(dtype, tolerance, block_size):
+    q, k, v, k_cache, v_cache, md = mixed_step(block_size, 2, 3, 64, dtype=dtype)
+    sinks = sinks_for(6)
+    out = triton_paged.paged_attention(q, k, v, k_cache, v_cache, md, 0.125, 6, sinks=sinks)
+    expected = torch_ref.paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), md, 0.125,
+                                         6, sinks=sinks)
+    assert out.dtype == dtype
+    assert (out.float() - expected).abs().max().item() < tolerance
+
+
+def test_sinks_must_be_one_per_query_head():
+    q, k, v, k_cache, v_cache, md = mixed_step(16, 2, 3, 64)
+    with pytest.raises(ValueError, match=r"one logit per query head \(6\), got shape \(2,\)"):
+        triton_paged.paged_attention(q, k, v, k_cache, v_cache, md, 0.125, sinks=torch.zeros(2))
+
+
 def test_padded_slots_are_not_written():
     q, k, v, k_cache, v_cache, md = mixed_step(16, 1, 1, 64)
     before = k_cache.clone()
@@ -70,12 +112,14 @@ def test_without_a_gpu_or_the_interpreter_the_choice_is_a_clear_error(monkeypatc
     assert EngineConfig(device="cpu").attention_backend == "torch"  # auto: torch on CPU
 
 
+@pytest.mark.parametrize("sinks", [None, sinks_for(6)])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("max_parts", [64, 2])
-def test_split_decode_matches_the_oracle(monkeypatch, window, max_parts):
+def test_split_decode_matches_the_oracle(monkeypatch, window, max_parts, sinks):
     # Parts of 32 tokens (2 blocks): the mixed step's longest decode (3 blocks) spans 2 parts, the
-    # shortest 1 (its other part sees no key); with the window, leading parts see none either.
-    # The 8-block table of `longer` makes 4 parts, or 2 of 4 blocks when at most 2 are allowed.
+    # shortest 1 (its other part sees no key); with the window, leading parts see none either (part
+    # 0, which holds the sinks, among them). The 8-block table of `longer` makes 4 parts, or 2 of
+    # 4 blocks when at most 2 are allowed.
     monkeypatch.setattr(triton_paged, "PARTITION_TOKENS", 32)
     monkeypatch.setattr(triton_paged, "MAX_PARTS", max_parts)
     monkeypatch.setattr(triton_paged, "SPLIT_BELOW_PROGRAMS", 1000)
@@ -95,7 +139,7 @@ def test_split_decode_matches_the_oracle(monkeypatch, window, max_parts):
     for metadata in (md, longer):
         qs, ks, vs = q[:metadata.num_tokens], k[:metadata.num_tokens], v[:metadata.num_tokens]
         ref_k, ref_v = k_cache.clone(), v_cache.clone()
-        out = triton_paged.paged_attention(qs, ks, vs, k_cache, v_cache, metadata, 0.125, window)
-        expected = torch_ref.paged_attention(qs, ks, vs, ref_k, ref_v, metadata, 0.125, window)
+        out = triton_paged.paged_attention(qs, ks, vs, k_cache, v_cache, metadata, 0.125, window, sinks=sinks)
+        expected = torch_ref.paged_attention(qs, ks, vs, ref_k, ref_v, metadata, 0.125, window, sinks=sinks)
         assert (out - expected).abs().max().item() < 1e-4
     assert merges == [2, 4 if max_parts == 64 else 2]

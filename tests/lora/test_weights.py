@@ -287,11 +287,23 @@ def part(weights: LoRAWeights, layer: int, projection: str) -> tuple[torch.Tenso
     return weights.modules[layer, fused][FUSED_PARTS[fused].index(projection)]
 
 
+def projection_weights(model, config) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, a fused qkv_proj or gate_up_proj (Phi-3's) also by the
+    names of its parts."""
+    params = dict(model.named_parameters())
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    for name, p in list(params.items()):
+        for fused, sizes in (("qkv_proj", [q, kv, kv]), ("gate_up_proj", [inter, inter])):
+            if f".{fused}." in name:
+                params.update((name.replace(fused, part), t) for part, t in zip(FUSED_PARTS[fused], p.split(sizes)))
+    return params
+
+
 def assert_merges_like_peft(hf_model, config, path: Path) -> None:
     """Every projection's base weight plus B @ A from load_adapter equals PEFT's merged weight."""
     weights = load_adapter(path, config, 64, torch.float32, TPShard.of(config))
-    merged = dict(merged_reference(hf_model, path).named_parameters())
-    base = dict(hf_model.named_parameters())
+    merged = projection_weights(merged_reference(hf_model, path), config)
+    base = projection_weights(hf_model, config)
     parts = loaded_parts(weights)
     assert parts, "the adapter targets nothing"
     for layer in range(config.num_layers):
@@ -307,9 +319,18 @@ def assert_merges_like_peft(hf_model, config, path: Path) -> None:
 
 
 def test_merged_weights_equal_peft_s_merge_on_every_tiny_architecture(tiny_checkpoint, tiny_adapter, arch):
+    """(On Phi-3, whose q/k/v and gate/up are one module each, these adapters adapt o_proj and
+    down_proj only.)"""
     path, hf_model = tiny_checkpoint(arch)
     for name in ("r4", "patterns", "one-layer"):
         assert_merges_like_peft(hf_model, load_config(str(path)), tiny_adapter(name, arch))
+
+
+def test_an_adapter_of_phi3_s_fused_projections_is_refused(tiny_checkpoint, tmp_path):
+    path, hf_model = tiny_checkpoint("phi3")
+    adapter = make_peft_adapter(hf_model, tmp_path / "fused", rank=4, alpha=8, targets=("qkv_proj", "gate_up_proj"),
+                                seed=16)
+    refused(adapter, load_config(str(path)), "qkv_proj")
 
 
 @pytest.mark.parametrize("name", ["r16", "r4-qv"])  # (rsLoRA and patterns: on the tiny models above)

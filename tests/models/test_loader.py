@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
 
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.loader import (
@@ -117,7 +117,7 @@ def test_pickle_only_directory_is_refused(tiny_checkpoint, tmp_path):
 
 def test_unsupported_architecture_names_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    supported = r".*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"
+    supported = r".*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM.*Phi3ForCausalLM.*SmolLM3"
     with pytest.raises(ValueError, match=r"'GPT2LMHeadModel'" + supported):
         load_model(str(tmp_path))
 
@@ -191,7 +191,15 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
                      rope_theta=5e5),
          dict(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-        (LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+        (Phi3Config(**TINY, pad_token_id=None), dict(rotary_dim=None, sliding_windows=(), rope_layers=())),
+        (Phi3Config(**TINY, pad_token_id=None, partial_rotary_factor=0.5, sliding_window=32),
+         dict(rotary_dim=8, sliding_windows=(32, 32), architecture="Phi3ForCausalLM")),
+        (SmolLM3Config(**(TINY | {"num_hidden_layers": 4}), pad_token_id=None),  # every 4th layer NoPE
+         dict(rope_layers=(True, True, True, False), sliding_windows=(), tie_word_embeddings=True)),
+        (SmolLM3Config(**TINY, pad_token_id=None, no_rope_layers=[1, 1]), dict(rope_layers=())),
+        (SmolLM3Config(**TINY, pad_token_id=None, no_rope_layers=[0, 1], use_sliding_window=True, sliding_window=8),
+         dict(rope_layers=(False, True), sliding_windows=(8, None))),  # the window on NoPE layers only
+        (LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),  # Llama's parts
          dict(rope_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_rope_theta=None,
               hidden_act="silu", norm_unit_offset=False, sandwich_norms=False, embed_scale=None,
               attention_scale=None, final_logit_softcapping=None)),
@@ -204,8 +212,9 @@ def test_model_config_from_hf(hf, expected):
 
 
 def test_model_config_rejects_what_we_cannot_run():
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'.*default, llama3"):
-        ModelConfig.from_hf_config(LlamaConfig(**TINY, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="unsupported rope type 'proportional'.*default, linear.*llama3"):
+        ModelConfig.from_hf_config(LlamaConfig(**TINY, rope_parameters={"rope_type": "proportional",
+                                                                         "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf_config(LlamaConfig(**TINY, hidden_act="gelu"))
 
@@ -354,3 +363,17 @@ def test_damaged_json_file_is_named(tiny_checkpoint, tmp_path, name, content, re
     (d / name).write_bytes(content)
     with pytest.raises(ValueError, match=f"^{re.escape(str(d / name))} {reason}"):
         loader(str(d))
+
+
+def test_a_phi3_gguf_is_read_dequantized(monkeypatch, caplog):
+    """Its GGUF holds q|k|v and gate|up as one tensor each (attn_qkv, ffn_up): dequantized with the
+    rest, then cut like a safetensors checkpoint's."""
+    from pagedserve.models import loader
+
+    monkeypatch.setattr(loader, "quantized_kernels_available", lambda: True)
+    cpu = torch.device("cpu")
+    assert loader._runs_quantized("m.gguf", "auto", cpu, ModelConfig.from_hf_config(LlamaConfig(**TINY)))
+    phi3 = ModelConfig.from_hf_config(Phi3Config(**TINY, pad_token_id=None))
+    assert not loader._runs_quantized("m.gguf", "auto", cpu, phi3)
+    assert "Phi-3 GGUF" in caplog.text
+    assert loader._runs_quantized("m", "int8", cpu, phi3)  # a float checkpoint quantizes at load as any

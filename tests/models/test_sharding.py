@@ -54,10 +54,11 @@ def test_every_rank_holds_its_heads_and_vocabulary_rows(shape, size, vocab):
     assert rows == list(range(vocab))
 
 
-def test_shards_read_from_a_checkpoint_add_up_to_the_whole(tiny_checkpoint):
+@pytest.mark.parametrize("arch", ["llama3", "phi3"])  # biases and tied embeddings; q|k|v and gate|up stored fused
+def test_shards_read_from_a_checkpoint_add_up_to_the_whole(arch, tiny_checkpoint):
     """Each rank's shard, read slice by slice from safetensors, put back together along the split
     dimension, equals the weights loaded whole."""
-    path, _ = tiny_checkpoint("llama3")  # biases on every projection, tied embeddings
+    path, _ = tiny_checkpoint(arch)
     whole, c = load_model(str(path))
     shards = [load_model(str(path), tp=TPGroup(rank, 2))[0] for rank in range(2)]
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -71,7 +72,7 @@ def test_shards_read_from_a_checkpoint_add_up_to_the_whole(tiny_checkpoint):
             joined = torch.cat([torch.cat([p[i] for p in pieces]) for i in range(2)])
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             joined = torch.cat(parts, dim=1)
-        elif "embed_tokens" in name:
+        elif "embed_tokens" in name or name.startswith("lm_head"):  # vocabulary rows
             joined = torch.cat(parts)[: c.vocab_size]
         else:  # norms, and row-parallel biases (added once, after the all-reduce)
             assert all(torch.equal(p, full) for p in parts), name

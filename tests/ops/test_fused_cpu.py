@@ -111,17 +111,18 @@ def test_gelu_tanh_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_views_of_the_fused_qkv_output(dtype):
+@pytest.mark.parametrize("rotary_dim", [64, 48])  # the whole head; a partial rotary's first 3/4
+def test_rotary_in_place_on_views_of_the_fused_qkv_output(dtype, rotary_dim):
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, n = 9, 3, 64, 33
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
-    angles = torch.rand(n, dim // 2, generator=gen) * 50
+    angles = torch.rand(n, rotary_dim // 2, generator=gen) * 50
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def reference(x):  # the half-split rotation, each product rounded to the dtype as torch does
-        x1, x2 = x.chunk(2, dim=-1)
+    def reference(x):  # the half-split rotation of the first rotary_dim dims, each product rounded as torch does
+        x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
         c, s = cos[:, None], sin[:, None]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., rotary_dim:]), dim=-1)
 
     q = qkv[:, : heads * dim].view(n, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim)
@@ -132,8 +133,9 @@ def test_rotary_in_place_on_views_of_the_fused_qkv_output(dtype):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
 
 
-# qwen3: q/k norms on strided views; gemma3: (1 + w) norms, GELU, the scaled embedding
-@pytest.mark.parametrize("which", ["embedded", "qwen3", "gemma3"])
+# qwen3: q/k norms on strided views; phi3: a partial rotary (12 of 16 dims); gemma3: (1 + w) norms,
+# GELU, the scaled embedding
+@pytest.mark.parametrize("which", ["embedded", "qwen3", "phi3", "gemma3"])
 def test_a_model_with_and_without_the_fused_ops(which, embedded_model, tiny_checkpoint, monkeypatch):
     from pagedserve.attention import get_backend
     from pagedserve.attention.kv_cache import allocate_kv_cache

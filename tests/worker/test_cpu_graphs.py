@@ -23,6 +23,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker import cpu_graphs
 from pagedserve.worker.cpu_graphs import CpuDecodeGraph, NotRecordable, _Watch
 from tests.lora.test_layers import adapters_for
+from tests.models.test_attention_sinks import ours, reference_with_sinks
 
 BLOCK, NUM_BLOCKS, MAX_BLOCKS = 8, 48, 6
 
@@ -135,6 +136,30 @@ def test_replays_add_each_rows_lora_delta_bit_for_bit(dtype, tiny_checkpoint):
                 assert torch.equal(got[r], base[r]) == (slot < 0 or (slot == 2 and i < 2))
             for r in rows:
                 lens[r] += 1
+
+
+@needs_replays
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replays_with_sinks_equal_the_eager_forward_bit_for_bit(dtype):
+    """A layer's sinks are a pointer of its decode attention call: recorded, replayed as they are."""
+    model, config = ours(reference_with_sinks("llama"), dtype)
+    if not expected_recordable("llama", dtype):
+        pytest.skip(f"no C matmul for {dtype} here")
+    lens = [5, 11, 17, 3]
+    with torch.inference_mode():
+        caches, tables = prefilled(model, config, lens, dtype)
+        graph = graph_over(model, caches)
+        assert graph is not None
+        kind = cpu_graphs.KINDS["paged_decode_attention"][0]
+        assert [call.ints[19] for call in graph.calls if call.kind == kind] == [
+            layer.self_attn.sinks.data_ptr() for layer in model.model.layers]
+        md = torch_md(tables, lens, [1] * len(lens))
+        ids = torch.randint(config.vocab_size, (len(lens),), generator=torch.Generator().manual_seed(1))
+        reference = copies(caches)
+        expected = model(ids, md.positions, reference, md)
+        assert torch.equal(graph.run(ids, md), expected)
+        for cache, ref in zip(caches, reference):
+            assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
 
 
 @needs_replays

@@ -134,12 +134,12 @@ def test_warm_up_step_is_prompts_of_at_most_512_tokens_over_the_first_blocks(tin
     inputs = runner.warm_up_inputs(1100, max_model_len=4096)
     assert inputs.num_new == [512, 512, 76] and inputs.num_computed == [0, 0, 0]
     assert inputs.input_ids == [0] * 1100 and inputs.logits_rows == [511, 1023, 1099] and inputs.block_copies == []
-    assert inputs.block_tables.tolist() == [list(range(0, 32)), list(range(32, 64)),
-                                            list(range(64, 69)) + [0] * 27]
+    assert inputs.block_tables.tolist() == [[list(range(0, 32)), list(range(32, 64)),  # one KV cache group
+                                             list(range(64, 69)) + [0] * 27]]
     # A shorter context bounds the prompts (this model's is 256); a budget under one prompt is one prompt.
     assert runner.warm_up_inputs(250, max_model_len=100).num_new == [100, 100, 50]
     assert runner.run(runner.warm_up_inputs(300, max_model_len=256)).shape == (2, model_config.vocab_size)
-    assert runner.warm_up_inputs(20, max_model_len=4096).block_tables.tolist() == [[0, 1]]
+    assert runner.warm_up_inputs(20, max_model_len=4096).block_tables.tolist() == [[[0, 1]]]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")

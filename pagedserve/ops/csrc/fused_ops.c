@@ -164,15 +164,16 @@ void act_and_mul(const void *gate_up, void *out, int64_t n, int64_t inter, int a
 }
 
 /* Rotary embedding in place, half-split (GPT-NeoX) convention, on `heads` heads of head_dim
- * starting at element 0 of each row of x (rows `row_stride` elements apart): for each head,
+ * starting at element 0 of each row of x (rows `row_stride` elements apart): for each head, its
+ * first rotary_dim elements (all of them, or a partial rotary's share; the rest are left as they are)
  *   [x1, x2] -> [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
  * with each product rounded to the dtype before the sum, as torch computes it. cos, sin:
- * [n, head_dim / 2] in the dtype. */
+ * [n, rotary_dim / 2] in the dtype. */
 static inline __attribute__((always_inline)) void rotary_row(void *x, const void *cos, const void *sin, int64_t t,
                                                              int64_t row_stride, int64_t heads, int64_t head_dim,
-                                                             const int bf16)
+                                                             int64_t rotary_dim, const int bf16)
 {
-    const int64_t half = head_dim / 2;
+    const int64_t half = rotary_dim / 2;
     for (int64_t h = 0; h < heads; h++) {
         const int64_t base = t * row_stride + h * head_dim;
 #pragma omp simd
@@ -186,14 +187,14 @@ static inline __attribute__((always_inline)) void rotary_row(void *x, const void
 }
 
 void rotary(void *x, const void *cos, const void *sin, int64_t n, int64_t row_stride, int64_t heads,
-            int64_t head_dim, int bf16, int num_threads)
+            int64_t head_dim, int64_t rotary_dim, int bf16, int num_threads)
 {
-#pragma omp parallel for num_threads(num_threads) if (n * heads * head_dim >= PARALLEL_MIN)
+#pragma omp parallel for num_threads(num_threads) if (n * heads * rotary_dim >= PARALLEL_MIN)
     for (int64_t t = 0; t < n; t++) {
         if (bf16) /* a copy of the row's loops per dtype (see act_and_mul) */
-            rotary_row(x, cos, sin, t, row_stride, heads, head_dim, 1);
+            rotary_row(x, cos, sin, t, row_stride, heads, head_dim, rotary_dim, 1);
         else
-            rotary_row(x, cos, sin, t, row_stride, heads, head_dim, 0);
+            rotary_row(x, cos, sin, t, row_stride, heads, head_dim, rotary_dim, 0);
     }
 }
 

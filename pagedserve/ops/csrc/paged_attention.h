@@ -15,6 +15,8 @@
  * Query head h reads KV head h / (num_heads / num_kv_heads). Request r, at position
  * p = seq_lens[r] - 1, sees key positions j with p - window < j <= p (window <= 0: every j <= p).
  * Scores are (q . k) * scale and the softmax runs in float32, as in transformers' eager attention.
+ * With sinks (gpt-oss), query head h's softmax has one more logit, sinks[h], that takes probability
+ * mass and adds no value: its exp(sinks[h] - max) joins the denominator, the max including it.
  * (One exception: bfloat16 queries over a bfloat16 cache multiply in bf16 pairs where the CPU has
  * AVX-512 BF16, decode and prompts alike; see attend_request_bf16 and prefill_tile_bf16.) A bfloat16
  * or fp8 cache (e4m3, one byte per element, pagedserve/attention/kv_quant.py) is widened to float32

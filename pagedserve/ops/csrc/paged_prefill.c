@@ -169,6 +169,16 @@ static inline int64_t staged_from(int64_t from, int64_t window)
     return first - first % KT;
 }
 
+/* Row r's running softmax before any key (m in log2 units, l its sum): empty, or, with a sink
+ * (gpt-oss: one more logit per query head, with no value), the sink's logit alone: its term
+ * 2^(m - m) = 1 is in l from the start and rescales with it as keys come (m the max including it). */
+#define START_ROW(r)                                                                                          \
+    do {                                                                                                      \
+        const float sink = sinks != NULL ? sinks[kvh * group + (r) / tokens] : 0.0f;                         \
+        m[r] = sinks != NULL ? sink * 1.44269504088896341f : -INFINITY;                                       \
+        l[r] = sinks != NULL ? 1.0f : 0.0f;                                                                   \
+    } while (0)
+
 /* acc[r] = out row r's sum of p . V, divided by l[r] (and V's scale) into out (float32, or bfloat16
  * rounded once where bf16). */
 #define ROW_OFFSET(r) (((q_start + i0 + (r) % tokens) * num_heads + kvh * group + (r) / tokens) * head_dim)
@@ -233,7 +243,8 @@ _Static_assert(KV_ == 4, "WITH_KEY_VECTORS spells out nvec = 1..KV_");
 static inline __attribute__((always_inline)) void prefill_tile(
     const float *kt, const float *vt, int64_t stage_start, const void *q, void *out,
     int64_t q_start, int64_t ctx, int64_t i0, int64_t i1, int64_t kvh, int64_t num_heads, int64_t group,
-    const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch, int bf16_io)
+    const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch, int bf16_io,
+    const float *sinks)
 {
     const int64_t tokens = i1 - i0, rows = group * tokens;
     /* scratch: acc [rows * head_dim], m and l [rows] each, then the rows' q [rows + RB zero rows][head_dim]:
@@ -241,7 +252,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
     float *acc = scratch, *m = acc + rows * head_dim, *l = m + rows, *qs = l + rows;
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t r = 0; r < rows; r++) {
-        m[r] = -INFINITY, l[r] = 0.0f;
+        START_ROW(r);
         for (int64_t d = 0; d < head_dim; d++)
             qs[r * head_dim + d] = bf16_io ? bf16_to_float(((const uint16_t *)q)[ROW_OFFSET(r) + d])
                                            : ((const float *)q)[ROW_OFFSET(r) + d];
@@ -361,7 +372,7 @@ static inline __attribute__((always_inline)) void tile_scores_bf16(
 static inline __attribute__((always_inline)) void prefill_tile_bf16(
     const uint32_t *kt, const uint32_t *vt, int64_t stage_start, const void *q, void *out,
     int64_t q_start, int64_t ctx, int64_t i0, int64_t i1, int64_t kvh, int64_t num_heads, int64_t group,
-    const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch)
+    const int64_t head_dim, float scale, float v_scale, int64_t window, float *scratch, const float *sinks)
 {
     const int64_t tokens = i1 - i0, rows = group * tokens, half = head_dim / 2;
     /* scratch: acc [rows * head_dim], m and l [rows] each, then the rows' q as bf16 pairs [rows + RB zero
@@ -371,7 +382,7 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
     memset(qw + rows * half, 0, sizeof(uint32_t) * RB * half);
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t r = 0; r < rows; r++) {
-        m[r] = -INFINITY, l[r] = 0.0f;
+        START_ROW(r);
         memcpy(qw + r * half, (const uint16_t *)q + ROW_OFFSET(r), sizeof(uint16_t) * head_dim);
     }
     const int64_t last = ctx + i1 - 1;
@@ -421,6 +432,7 @@ static inline __attribute__((always_inline)) void prefill_tile_bf16(
 }
 #endif
 #undef WRITE_ROWS
+#undef START_ROW
 #undef ROW_OFFSET
 
 /* The request r whose range of items starts[r] .. starts[r + 1] - 1 holds item i. */
@@ -446,14 +458,15 @@ int has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
 /* Request r's new tokens are rows q_starts[r]..q_starts[r] + num_new[r] - 1 of q and out, at
  * positions seq_lens[r] - num_new[r] ... seq_lens[r] - 1; its K/V (the new tokens' included) are
- * already in the cache. Layouts, num_blocks, format and bf16_io as for paged_decode_attention;
+ * already in the cache. Layouts, num_blocks, format, bf16_io and sinks as for paged_decode_attention;
  * bfloat16 q over a bfloat16 cache multiply in bfloat16 where the CPU can (prefill_tile_bf16). */
 int paged_prefill_attention(
     const void *q, const void *k_cache, const void *v_cache, void *out,
     const int64_t *q_starts, const int64_t *num_new, const int64_t *block_tables, const int64_t *seq_lens,
     int64_t n, int64_t table_stride, int64_t num_blocks, int64_t block_size,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale, int bf16_io)
+    float scale, int64_t window, int num_threads, int format, float k_scale, float v_scale, int bf16_io,
+    const float *sinks)
 {
     const struct paged_kv kv = {k_cache, v_cache, block_size, num_kv_heads * head_dim};
     const int64_t group = num_heads / num_kv_heads;
@@ -529,11 +542,13 @@ int paged_prefill_attention(
             if (bf16_dot) {
 #define TILE(dim) \
     prefill_tile_bf16((const uint32_t *)kt, (const uint32_t *)vt, staged_from(ctx, window), q, out, q_starts[r], ctx, \
-                      i0, i1, kvh, num_heads, group, dim, scale * k_scale, v_scale, window, scratch)
+                      i0, i1, kvh, num_heads, group, dim, scale * k_scale, v_scale, window, scratch, sinks)
                 if (head_dim == 64)
                     TILE(64);
                 else if (head_dim == 128)
                     TILE(128);
+                else if (head_dim == 256)
+                    TILE(256);
                 else
                     TILE(head_dim);
 #undef TILE
@@ -542,11 +557,13 @@ int paged_prefill_attention(
 #endif
 #define TILE(dim) \
     prefill_tile(kt, vt, staged_from(ctx, window), q, out, q_starts[r], ctx, i0, i1, kvh, num_heads, group, \
-                 dim, scale * k_scale, v_scale, window, scratch, bf16_io)
+                 dim, scale * k_scale, v_scale, window, scratch, bf16_io, sinks)
             if (head_dim == 64)
                 TILE(64);
             else if (head_dim == 128)
                 TILE(128);
+            else if (head_dim == 256)
+                TILE(256);
             else
                 TILE(head_dim);
 #undef TILE
