@@ -24,7 +24,7 @@ def test_model_config_of_a_gemma3_text_config():
     assert config.sliding_windows == (8, None, 8, None)
     assert config.hidden_act == "gelu_pytorch_tanh" and config.qk_norm and config.tie_word_embeddings
     assert config.norm_unit_offset and config.sandwich_norms
-    assert config.embed_scale == 8.0 and config.attention_scale == 24**-0.5
+    assert config.embed_scale == 32**0.5 and config.attention_scale == 24**-0.5
     assert config.final_logit_softcapping == 8.0
     assert (config.rope_theta, config.rope_scaling) == (10000.0, {"rope_type": "linear", "factor": 4.0})
     assert (config.sliding_rope_theta, config.sliding_rope_scaling) == (100.0, None)
