@@ -156,3 +156,24 @@ def test_sliding_groups_hold_only_their_windows(hybrid, embedded_tokenizer):
     assert uniform.llm_engine.kv.windows == (None,)
     assert generate(uniform) == generate(llm)
     assert_all_free(llm)
+
+
+def test_the_kv_tier_stores_and_loads_every_group(hybrid, reference, embedded_tokenizer, tmp_path):
+    """A second engine on the same tier directory reads the first one's blocks back, for every group,
+    and gives the same tokens."""
+    settings = dict(kv_offload_dir=str(tmp_path / "tier"), kv_offload_policy="write_through")
+    with make_llm(hybrid[0], embedded_tokenizer, **settings) as first:
+        assert [out[0] for out in generate(first)] == reference
+    with make_llm(hybrid[0], embedded_tokenizer, **settings) as second:
+        assert [out[0] for out in generate(second)] == reference
+        assert second.get_metrics()["kv_offload_loaded_blocks"] > 0
+        assert_all_free(second)
+
+
+def test_bfloat16_gives_the_tokens_of_the_uniform_layout(hybrid, embedded_tokenizer):
+    """The groups change where K/V live, never the numbers: bfloat16 output equals that of one table
+    per request with windows only masked."""
+    grouped = make_llm(hybrid[0], embedded_tokenizer, dtype="bfloat16")
+    uniform = make_llm(hybrid[0], embedded_tokenizer, dtype="bfloat16", disable_hybrid_kv_cache=True)
+    assert generate(grouped) == generate(uniform)
+    assert_all_free(grouped)
