@@ -6,9 +6,9 @@ lookup.
 Torch runs each as 5 to 14 operators, each a pass over memory and a dispatch from Python; per
 layer and step that is ~35 operators the C versions replace with 4 calls. The results are torch's
 arithmetic (`models/layers.py`'s torch path, which tests hold them against), up to the order of
-the RMSNorm sum and an ulp of exp in the activations. `available(x)` says whether a tensor can take this path: float32 or bfloat16, on
-CPU, with the library built (`ops/native.py`); PAGEDSERVE_CPU_KERNEL=0 turns it off with
-the decode kernel.
+the RMSNorm sum and an ulp of exp in the activations. `available(x)` says whether a tensor can
+take this path: float32 or bfloat16, on CPU, with the library built (`ops/native.py`);
+PAGEDSERVE_CPU_KERNEL=0 turns it off with the decode kernel.
 """
 
 from __future__ import annotations
