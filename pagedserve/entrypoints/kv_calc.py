@@ -50,6 +50,8 @@ PRESETS = {
 
 
 def shape_from_hf_config(config: dict, name: str) -> KVShape:
+    if "num_attention_heads" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]  # a multimodal checkpoint (Gemma 3): its language model's shape
     heads = config["num_attention_heads"]
     return KVShape(
         name=name,

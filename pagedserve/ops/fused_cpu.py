@@ -1,12 +1,14 @@
-"""The decoder's elementwise steps as one C pass each on CPU (csrc/fused_ops.c): RMSNorm with its
-residual add, SiLU-and-multiply, rotary embedding in place.
+"""The decoder's elementwise steps as one C pass each on CPU (csrc/fused_ops.c): RMSNorm (Llama's or
+Gemma's (1 + weight) form) with its residual add, or over the heads of q or k in place; the gated
+activation (SiLU or tanh-approximated GELU) times up; rotary embedding in place; a scaled embedding
+lookup.
 
 Torch runs each as 5 to 14 operators, each a pass over memory and a dispatch from Python; per
 layer and step that is ~35 operators the C versions replace with 4 calls. The results are torch's
 arithmetic (`models/layers.py`'s torch path, which tests hold them against), up to the order of
-the RMSNorm sum. `available(x)` says whether a tensor can take this path: float32 or bfloat16, on
-CPU, with the library built (`ops/native.py`); PAGEDSERVE_CPU_KERNEL=0 turns it off with
-the decode kernel.
+the RMSNorm sum and an ulp of exp in the activations. `available(x)` says whether a tensor can
+take this path: float32 or bfloat16, on CPU, with the library built (`ops/native.py`);
+PAGEDSERVE_CPU_KERNEL=0 turns it off with the decode kernel.
 """
 
 from __future__ import annotations
@@ -24,18 +26,19 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    lib = native.optional_library("fused_ops", "norms, SiLU and RoPE run in torch")
+    lib = native.optional_library("fused_ops", "norms, activations and RoPE run in torch")
     if lib is None:
         return None
     ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.rms_norm.argtypes = [ptr] * 4 + [i64, i64, ctypes.c_float, c_int, c_int]
-    lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
+    lib.rms_norm.argtypes = [ptr] * 4 + [i64, i64, ctypes.c_float, i64, i64, c_int, c_int, c_int]
+    lib.act_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int, c_int]
     lib.rotary.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, c_int, c_int]
     lib.gather_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, c_int]
     lib.scatter_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, c_int]
-    for fn in (lib.rms_norm, lib.silu_and_mul, lib.rotary):
+    lib.gather_scaled_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, c_int, c_int]
+    for fn in (lib.rms_norm, lib.act_and_mul, lib.rotary):
         fn.restype = None
-    lib.gather_rows.restype = lib.scatter_rows.restype = c_int
+    lib.gather_rows.restype = lib.scatter_rows.restype = lib.gather_scaled_rows.restype = c_int
     return lib
 
 
@@ -43,22 +46,39 @@ def available(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and load() is not None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
+             unit_offset: bool = False) -> Tensor:
     """RMSNorm of x's rows ([..., dim], contiguous); with `residual`, of x + residual, which is
-    also written into residual (in place)."""
+    also written into residual (in place). unit_offset: scale by (1 + weight) in float32, as Gemma
+    does, rather than by weight after rounding to the dtype."""
     dim = x.shape[-1]
     out = torch.empty_like(x)
     native.call(load().rms_norm, x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                out.data_ptr(), x.numel() // dim, dim, eps, _DTYPES[x.dtype], torch.get_num_threads())
+                out.data_ptr(), x.numel() // dim, dim, eps, 1, dim, int(unit_offset), _DTYPES[x.dtype],
+                torch.get_num_threads())
     return out
 
 
-def silu_and_mul(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up for gate_up = [..., gate | up] (contiguous)."""
+def rms_norm_heads_(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
+    """RMSNorm of each head of x [num_tokens, heads, head_dim] in place (heads contiguous within a
+    token; tokens may be further apart, as in a view of the fused qkv output): the q/k norms."""
+    n, heads, head_dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == head_dim
+    native.call(load().rms_norm, x.data_ptr(), None, weight.data_ptr(), x.data_ptr(), n, head_dim, eps, heads,
+                x.stride(0), int(unit_offset), _DTYPES[x.dtype], torch.get_num_threads())
+    return x
+
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # csrc/fused_ops.c's ACT_* (transformers' names)
+
+
+def act_and_mul(gate_up: Tensor, activation: str = "silu") -> Tensor:
+    """act(gate) * up for gate_up = [..., gate | up] (contiguous); act one of ACTIVATIONS: SiLU,
+    or torch's GELU with the tanh approximation."""
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], inter))
-    native.call(load().silu_and_mul, gate_up.data_ptr(), out.data_ptr(), out.numel() // inter, inter,
-                _DTYPES[gate_up.dtype], torch.get_num_threads())
+    native.call(load().act_and_mul, gate_up.data_ptr(), out.data_ptr(), out.numel() // inter, inter,
+                ACTIVATIONS[activation], _DTYPES[gate_up.dtype], torch.get_num_threads())
     return out
 
 
@@ -94,3 +114,14 @@ def scatter_rows_(dst: Tensor, rows: Tensor, src: Tensor) -> None:
     if native.call(load().scatter_rows, src.data_ptr(), src.stride(0) * src.element_size(), rows.data_ptr(),
                    dst.data_ptr(), dst.shape[0], rows.shape[0], dst[0].nbytes, torch.get_num_threads()):
         raise IndexError(f"a row index is outside [0, {dst.shape[0]})")
+
+
+def gather_scaled_rows(src: Tensor, rows: Tensor, scale: float) -> Tensor:
+    """src[rows] * scale for src [num_rows, dim] (contiguous, float32 or bfloat16) and rows [n]
+    int64 (contiguous), each product rounded to src's dtype; `scale` must be a value of that dtype
+    (torch multiplies by the scale rounded to it). IndexError for a row outside src."""
+    out = src.new_empty((rows.shape[0], src.shape[1]))
+    if native.call(load().gather_scaled_rows, src.data_ptr(), src.shape[0], rows.data_ptr(), out.data_ptr(),
+                   rows.shape[0], src.shape[1], scale, _DTYPES[src.dtype], torch.get_num_threads()):
+        raise IndexError(f"a row index is outside [0, {src.shape[0]})")
+    return out

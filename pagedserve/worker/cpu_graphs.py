@@ -8,8 +8,8 @@ requests (docs/benchmarks.md, "Decode steps replayed in C"). As a CUDA graph doe
 (worker/cuda_graphs.py), a recording replays one forward's kernels with fixed addresses:
 - the forward is run once on static buffers with every C kernel call noted (`native.recording`)
   and every torch operator watched: outside the kernels only allocations and views may run, since
-  a replay skips everything else. A forward that does more (an fp8 cache, q/k norms, tensor
-  parallelism, a weight without a C matmul) is not recorded, and its steps run eagerly;
+  a replay skips everything else. A forward that does more (an fp8 cache, tensor parallelism, a
+  weight without a C matmul) is not recorded, and its steps run eagerly;
 - one recording serves every batch of up to `size` decodes: each kernel's row count is set at
   replay to the step's number of requests (every activation is row-major, so fewer rows are a
   prefix of each buffer);
@@ -38,9 +38,9 @@ from pagedserve.ops import native
 
 # The kernels a recording may hold: name -> (csrc/replay.c's kind, which integer argument is the
 # row count). A call's arguments split into integers (pointers included) and floats, each in order.
-KINDS = {"linear": (0, 1), "rms_norm": (1, 4), "silu_and_mul": (2, 2), "rotary": (3, 3),
+KINDS = {"linear": (0, 1), "rms_norm": (1, 4), "act_and_mul": (2, 2), "rotary": (3, 3),
          "paged_decode_attention": (4, 7), "gather_rows": (5, 4), "scatter_rows": (6, 5), "quant_linear": (7, 1),
-         "quant_rows": (8, 4), "lora_add": (9, 1)}
+         "quant_rows": (8, 4), "lora_add": (9, 1), "gather_scaled_rows": (10, 4)}
 MAX_INTS, MAX_FLOATS = 20, 3
 ALIGN = 64  # bytes: each intermediate's place in the arena, as torch aligns its allocations
 

@@ -73,7 +73,7 @@ def cpu_kernel_paths(model_config: ModelConfig, config: EngineConfig) -> dict[st
                   "AVX-512; bfloat16 there also its BF16 extension): matmuls run in oneDNN or torch")
     fused = _not_loaded(fused_cpu.load, "fused_ops")
     if fused is None and dtype not in (torch.float32, torch.bfloat16):
-        fused = f"they take float32 or bfloat16, not {dtype}: norms, SiLU and RoPE run in torch"
+        fused = f"they take float32 or bfloat16, not {dtype}: norms, activations and RoPE run in torch"
     return {CPU_ATTENTION: attention, CPU_LINEAR: linear, CPU_FUSED_OPS: fused}
 
 
@@ -100,8 +100,6 @@ def replay_skipped(model_config: ModelConfig, config: EngineConfig,
         return unavailable
     if config.kv_torch_dtype == torch.float8_e4m3fn:
         return "the fp8 KV cache: its K/V writes quantize in torch, outside the C kernels"
-    if model_config.qk_norm:
-        return "the model's q/k norms (Qwen3) run in torch, outside the C kernels"
     for name in (CPU_ATTENTION, CPU_LINEAR, CPU_FUSED_OPS):
         if kernels.get(name) is not None:
             return f"part of the forward runs outside the C kernels ({name}: {kernels[name]})"

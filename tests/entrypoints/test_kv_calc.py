@@ -30,6 +30,15 @@ def test_reads_a_config_json_or_a_model_directory(tmp_path):
         assert shape.bytes_per_token("float16") == 2 * 4 * 8 * 32 * 2
 
 
+def test_a_multimodal_config_gives_its_language_models_shape(tmp_path):
+    text = {"num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+            "hidden_size": 2560, "max_position_embeddings": 131072}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                      "vision_config": {"num_attention_heads": 16}}))
+    shape = resolve_shape(str(tmp_path))
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_context) == (6, 4, 256, 131072)
+
+
 def test_unknown_model_is_a_clear_error(capsys):
     with pytest.raises(SystemExit, match="llama-3-8b"):
         main(["kv-calc", "--model", "no-such-model"])

@@ -41,8 +41,9 @@ def run(model, tokenizer, prompts, tp: int, **settings) -> tuple[list[list[int]]
 TIGHT = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=8, max_model_len=64)
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "phi3", "qwen3", "mistral"])  # phi3: q|k|v, gate|up
-# stored fused; qwen3: a sliding and a full layer (two KV cache groups); mistral: every layer sliding
+# phi3: q|k|v, gate|up stored fused; qwen3: a sliding and a full layer (two KV cache groups); mistral:
+# every layer sliding; gemma3: the scaled embedding and soft-capped logits over 2 ranks
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "phi3", "qwen3", "mistral", "gemma3"])
 def test_tp2_greedy_matches_tp1_and_transformers(arch, tiny_checkpoint, embedded_tokenizer):
     path, hf_model = tiny_checkpoint(arch)
     prompts = tiny_prompts(hf_model.config.vocab_size)

@@ -199,6 +199,10 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
         (SmolLM3Config(**TINY, pad_token_id=None, no_rope_layers=[1, 1]), dict(rope_layers=())),
         (SmolLM3Config(**TINY, pad_token_id=None, no_rope_layers=[0, 1], use_sliding_window=True, sliding_window=8),
          dict(rope_layers=(False, True), sliding_windows=(8, None))),  # the window on NoPE layers only
+        (LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),  # Llama's parts
+         dict(rope_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_rope_theta=None,
+              hidden_act="silu", norm_unit_offset=False, sandwich_norms=False, embed_scale=None,
+              attention_scale=None, final_logit_softcapping=None)),
     ],
 )
 def test_model_config_from_hf(hf, expected):

@@ -28,7 +28,7 @@ SANITIZED = " or ".join([
     "test_queries_may_be_a_view", "test_only_the_decode_rows", "test_prefill_matches_the_oracle", "test_prefill_reads_any_block_size",
     "test_prefill_over", "test_prefill_writes_only", "test_the_checked_build",
     "test_matches_float64_for_any_shape", "test_model_shapes",
-    "test_silu", "test_rotary", "test_row_", "test_matches_a_per_row", "test_rows_of_a_strided", "test_a_row_gets",
+    "test_silu", "test_gelu", "test_a_scaled_row", "test_rotary", "test_row_", "test_matches_a_per_row", "test_rows_of_a_strided", "test_a_row_gets",
     "test_dequantized_weights", "test_linear_matches_dequantize", "test_an_embedding_row_id",
     "test_replays_equal"])
 # For x86-64-v3: the exactness checks of every kernel; not the tests of loading and falling back.

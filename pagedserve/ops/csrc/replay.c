@@ -10,8 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { LINEAR, RMS_NORM, SILU_AND_MUL, ROTARY, DECODE_ATTENTION, GATHER_ROWS, SCATTER_ROWS, QUANT_LINEAR, QUANT_ROWS,
-       LORA_ADD };
+enum { LINEAR, RMS_NORM, ACT_AND_MUL, ROTARY, DECODE_ATTENTION, GATHER_ROWS, SCATTER_ROWS, QUANT_LINEAR, QUANT_ROWS,
+       LORA_ADD, GATHER_SCALED_ROWS };
 #define MAX_INTS 20
 #define MAX_FLOATS 3
 
@@ -23,14 +23,16 @@ typedef struct {
 } call_t;
 
 typedef void linear_fn(const void *, int64_t, int64_t, const void *, const void *, void *, int64_t, int, int);
-typedef void rms_norm_fn(const void *, void *, const void *, void *, int64_t, int64_t, float, int, int);
-typedef void silu_and_mul_fn(const void *, void *, int64_t, int64_t, int, int);
-typedef void rotary_fn(void *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, int, int);
+typedef void rms_norm_fn(const void *, void *, const void *, void *, int64_t, int64_t, float, int64_t, int64_t, int, int,
+                         int);
+typedef void act_and_mul_fn(const void *, void *, int64_t, int64_t, int, int, int);
+typedef void rotary_fn(void *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, int, int);
 typedef int decode_attention_fn(const void *, const void *, const void *, void *, const int64_t *, const int64_t *,
                                 const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                 float, int64_t, int, int, float, float, int, const float *);
 typedef int gather_rows_fn(const void *, int64_t, const int64_t *, void *, int64_t, int64_t, int);
 typedef int scatter_rows_fn(const void *, int64_t, const int64_t *, void *, int64_t, int64_t, int64_t, int);
+typedef int gather_scaled_rows_fn(const void *, int64_t, const int64_t *, void *, int64_t, int64_t, float, int, int);
 typedef void quant_linear_fn(const void *, int64_t, int64_t, const void *, int64_t, void *, int64_t, int, int, int, int,
                              int, int);
 typedef int quant_rows_fn(const void *, int64_t, int64_t, const int64_t *, int64_t, void *, int, int, int, int, int,
@@ -54,13 +56,14 @@ int64_t replay(const call_t *calls, int64_t count, int64_t rows)
             ((linear_fn *)call->fn)(P(0), a[1], a[2], P(3), P(4), P(5), a[6], (int)a[7], (int)a[8]);
             break;
         case RMS_NORM:
-            ((rms_norm_fn *)call->fn)(P(0), P(1), P(2), P(3), a[4], a[5], f[0], (int)a[6], (int)a[7]);
+            ((rms_norm_fn *)call->fn)(P(0), P(1), P(2), P(3), a[4], a[5], f[0], a[6], a[7], (int)a[8], (int)a[9],
+                                      (int)a[10]);
             break;
-        case SILU_AND_MUL:
-            ((silu_and_mul_fn *)call->fn)(P(0), P(1), a[2], a[3], (int)a[4], (int)a[5]);
+        case ACT_AND_MUL:
+            ((act_and_mul_fn *)call->fn)(P(0), P(1), a[2], a[3], (int)a[4], (int)a[5], (int)a[6]);
             break;
         case ROTARY:
-            ((rotary_fn *)call->fn)(P(0), P(1), P(2), a[3], a[4], a[5], a[6], (int)a[7], (int)a[8]);
+            ((rotary_fn *)call->fn)(P(0), P(1), P(2), a[3], a[4], a[5], a[6], a[7], (int)a[8], (int)a[9]);
             break;
         case DECODE_ATTENTION:
             if (((decode_attention_fn *)call->fn)(P(0), P(1), P(2), P(3), P(4), P(5), P(6), a[7], a[8], a[9], a[10],
@@ -70,6 +73,10 @@ int64_t replay(const call_t *calls, int64_t count, int64_t rows)
             break;
         case GATHER_ROWS:
             if (((gather_rows_fn *)call->fn)(P(0), a[1], P(2), P(3), a[4], a[5], (int)a[6]) != 0)
+                return c + 1;
+            break;
+        case GATHER_SCALED_ROWS:
+            if (((gather_scaled_rows_fn *)call->fn)(P(0), a[1], P(2), P(3), a[4], a[5], f[0], (int)a[6], (int)a[7]) != 0)
                 return c + 1;
             break;
         case SCATTER_ROWS:
