@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 WINDOW = 1024
+# The throughput part's workload: long outputs, whose decode steps batch as many requests as fit.
+NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN = 12, 512, 768
 SHAPE = dict(hidden_size=1152, intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
              vocab_size=4096, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2)
 
@@ -150,10 +152,11 @@ def run_hybrid_bench(parts: list[str], contexts: list[int], batch: int, reps: in
         small = str(gemma_shaped_checkpoint(Path(tmp) / "small", window=256, hidden_size=256, intermediate_size=768,
                                             num_attention_heads=2, head_dim=128))
         if "throughput" in parts:
-            budget = 2 * 6 * (2048 + 256) * 2 * 128 * 4 + (1 << 20)  # two requests of the uniform pool, float32
+            # Two requests of the uniform pool (6 layers x 1,280 tokens x K and V of 128 float32s).
+            budget = 2 * 6 * (PROMPT_LEN + OUTPUT_LEN) * 2 * 128 * 4 + (1 << 20)
             result["throughput"] = {
-                "grouped": throughput(small, False, 16, 2048, 256, budget, dtype, tokenizer),
-                "uniform": throughput(small, True, 16, 2048, 256, budget, dtype, tokenizer),
+                "grouped": throughput(small, False, NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, budget, dtype, tokenizer),
+                "uniform": throughput(small, True, NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, budget, dtype, tokenizer),
                 "kv_bytes": budget}
         if "multi-turn" in parts:
             result["multi_turn"] = {
@@ -173,7 +176,8 @@ def format_hybrid(result: dict) -> str:
         lines.append("")
     if "throughput" in result:
         t = result["throughput"]
-        lines += [f"Long-context workload (16 requests of 2,048 + 256 tokens, KV budget {t['kv_bytes'] / 2**20:.1f} MiB):",
+        lines += [f"Long-context workload ({NUM_REQUESTS} requests of {PROMPT_LEN:,} + {OUTPUT_LEN:,} tokens, window 256, "
+                  f"KV budget {t['kv_bytes'] / 2**20:.1f} MiB):",
                   "", "| layout | blocks | preemptions | seconds | output tok/s | total tok/s |", "|---|---:|---:|---:|---:|---:|"]
         for name in ("grouped", "uniform"):
             r = t[name]
