@@ -162,6 +162,38 @@ def test_replays_with_sinks_equal_the_eager_forward_bit_for_bit(dtype):
             assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
 
 
+def test_replays_call_each_kernel_with_the_parameters_it_is_loaded_with():
+    """csrc/replay.c casts each recorded function to a type of its own: that type's parameters must
+    be the ones the kernel's ctypes declaration (and so the recording) gives, or the replay passes
+    its arguments in the wrong places (the compiler cannot see across the cast)."""
+    import ctypes
+    import re
+
+    from pagedserve.models import quantized
+    from pagedserve.ops import fused_cpu, lora_cpu
+
+    libraries = [cpu_linear.load(), fused_cpu.load(), cpu_attention.load(), quantized.load(), lora_cpu.load()]
+    assert all(lib is not None for lib in libraries)
+    source = (native.CSRC / "replay.c").read_text()
+    typedefs = {name: params for name, params in re.findall(r"typedef \w+ (\w+)_fn\(([^)]*)\);", source)}
+
+    def c_kind(param: str) -> str:
+        param = param.strip()
+        if "*" in param:
+            return "pointer"
+        return {"int64_t": "i64", "int": "i32", "float": "float"}[param.replace("const ", "")]
+
+    def ctypes_kind(t) -> str:
+        if t is ctypes.c_void_p:
+            return "pointer"
+        return "float" if t is ctypes.c_float else f"i{8 * ctypes.sizeof(t)}"
+
+    for name in cpu_graphs.KINDS:
+        fn = next(getattr(lib, name) for lib in libraries if hasattr(lib, name))
+        typedef = name if name in typedefs else next(t for t in typedefs if name.endswith("_" + t))
+        assert [c_kind(p) for p in typedefs[typedef].split(",")] == [ctypes_kind(t) for t in fn.argtypes], name
+
+
 @needs_replays
 def test_what_a_replay_cannot_run(tiny_checkpoint):
     model, config = load_model(str(tiny_checkpoint("llama")[0]))
