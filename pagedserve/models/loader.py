@@ -345,8 +345,9 @@ def _gguf_model_config(path: str) -> ModelConfig:
     """A GGUF's ModelConfig: made from transformers' config of the file once, then read back from the
     GGUF cache as JSON. transformers' config classes import a second of its modules (a warm start's
     largest import); the tokenizer does not need them. The part's name holds a digest of
-    models/config.py, which makes a ModelConfig: an edit there never reads an old one."""
-    source = Path(__file__).with_name("config.py").read_bytes()
+    models/config.py and this file, which make a ModelConfig (the GGUF metadata checks live here):
+    an edit there never reads an old one."""
+    source = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("config.py", "loader.py"))
     part = f"model-config-{hashlib.sha256(source).hexdigest()[:12]}"
 
     def read(folder: Path) -> ModelConfig:

@@ -176,3 +176,24 @@ def test_a_fused_tensor_that_disagrees_with_the_heads_is_named(tmp_path):
     path = write_gguf(source_model("phi3"), tmp_path / "bad.gguf", "Q8_0", kv_heads=1)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight' has 128 rows"):
         load_model(str(path), quantization="auto")
+
+
+def test_tensor_parallel_ranks_cut_a_phi3_ggufs_fused_tensors_still_quantized(tmp_path):
+    """Each rank's fused qkv_proj / gate_up_proj is its rows of the whole model's q, k, v (gate, up)."""
+    from pagedserve.distributed.group import TPGroup
+    from pagedserve.models.llama import DecoderForCausalLM
+    from pagedserve.models.loader import _checked_gguf_reader, load_config
+    from pagedserve.models.quantized_loader import gguf_tensors, split_quantized
+
+    path = str(write_gguf(source_model("phi3"), tmp_path / "phi3.gguf", "Q8_0"))
+    config, reader = load_config(path), _checked_gguf_reader()(path)
+    names = DecoderForCausalLM.meta(config).checkpoint_targets().keys()
+    whole, _ = split_quantized(DecoderForCausalLM.meta(config), gguf_tensors(reader, config, names))
+    qkv, gate_up = "model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"
+    q, k, v = whole[qkv].dequantize().split([64, 32, 32])
+    gate, up = whole[gate_up].dequantize().chunk(2)
+    for rank in range(2):
+        shard, _ = split_quantized(DecoderForCausalLM.meta(config, TPGroup(rank, 2)), gguf_tensors(reader, config, names))
+        assert shard[qkv].formats == ["Q8_0"]
+        assert torch.equal(shard[qkv].dequantize(), torch.cat([q.chunk(2)[rank], k.chunk(2)[rank], v.chunk(2)[rank]]))
+        assert torch.equal(shard[gate_up].dequantize(), torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]]))
