@@ -225,10 +225,6 @@ def _runs_quantized(path: str, quantization: str, device: torch.device, config: 
             raise ValueError(f"quantization={quantization!r} runs on CPU only, not {where}")
         logger.warning("quantized GGUF weights have no kernel %s: every weight is dequantized at load", where)
         return False
-    if _is_gguf(path) and config.model_type == "phi3":  # q|k|v, gate|up stored fused: not cut quantized here
-        logger.warning("a Phi-3 GGUF's fused attn_qkv and ffn_up tensors are read dequantized: every weight is "
-                       "dequantized at load")
-        return False
     return True
 
 
@@ -349,8 +345,9 @@ def _gguf_model_config(path: str) -> ModelConfig:
     """A GGUF's ModelConfig: made from transformers' config of the file once, then read back from the
     GGUF cache as JSON. transformers' config classes import a second of its modules (a warm start's
     largest import); the tokenizer does not need them. The part's name holds a digest of
-    models/config.py, which makes a ModelConfig: an edit there never reads an old one."""
-    source = Path(__file__).with_name("config.py").read_bytes()
+    models/config.py and this file, which make a ModelConfig (the GGUF metadata checks live here):
+    an edit there never reads an old one."""
+    source = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("config.py", "loader.py"))
     part = f"model-config-{hashlib.sha256(source).hexdigest()[:12]}"
 
     def read(folder: Path) -> ModelConfig:
@@ -361,6 +358,45 @@ def _gguf_model_config(path: str) -> ModelConfig:
         (folder / "model_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
 
     return gguf_cache.cached(path, part, read, lambda: _model_config(path, _hf_config(path)), write)
+
+
+def _with_gguf_metadata(path: str, config: ModelConfig) -> ModelConfig:
+    """The config with what llama.cpp's converter stores and transformers' GGUF config reading
+    drops: a Gemma 3's linear RoPE scaling of its full-attention layers (gemma3.rope.scaling.*).
+    ValueError for what neither reads and the model needs: a Phi-3's LongRoPE factors (the
+    rope_factors_long / rope_factors_short tensors) or partial rotary (rope.dimension_count)."""
+    reader = _checked_gguf_reader()(path)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch == "gemma3":
+        kind = _gguf_field(reader, "gemma3.rope.scaling.type")
+        factor = _gguf_field(reader, "gemma3.rope.scaling.factor")
+        if kind not in (None, "none", "linear") or (kind == "linear" and factor is None):
+            raise ValueError(f"{path}: a Gemma 3 GGUF with rope scaling {kind!r} (factor {factor}) is not supported; "
+                             "Gemma 3 scales its full-attention layers' RoPE linearly")
+        if kind == "linear" and float(factor) != 1.0:  # the sliding layers keep their own, unscaled RoPE
+            local = {} if config.sliding_rope_theta is not None else {"sliding_rope_theta": config.rope_theta,
+                                                                      "sliding_rope_scaling": config.rope_scaling}
+            config = dataclasses.replace(config, rope_scaling={"rope_type": "linear", "factor": float(factor)}, **local)
+    if arch == "phi3":
+        longrope = sorted({t.name for t in reader.tensors} & {"rope_factors_long.weight", "rope_factors_short.weight"})
+        if longrope:
+            raise ValueError(f"{path}: a Phi-3 GGUF with LongRoPE factors ({', '.join(longrope)}) is not supported: "
+                             "transformers' GGUF loader drops them; load the Hugging Face checkpoint instead")
+        rotated = _gguf_field(reader, "phi3.rope.dimension_count")
+        if rotated is not None and int(rotated) != config.head_dim:
+            raise ValueError(f"{path}: a Phi-3 GGUF that rotates {rotated} of each head's {config.head_dim} dims "
+                             "(phi3.rope.dimension_count) is not supported: transformers' GGUF loader rotates them "
+                             "all; load the Hugging Face checkpoint instead")
+    return config
+
+
+def _gguf_field(reader, key: str) -> Any:
+    """A scalar or string metadata value of a GGUF, or None when it has no such key."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    return value.tobytes().decode() if field.types and field.types[0].name == "STRING" else value.item()
 
 
 def read_json_object(path: Path) -> dict:
@@ -377,9 +413,8 @@ def read_json_object(path: Path) -> dict:
 
 def _model_config(path: str, hf_config: Any) -> ModelConfig:
     config = ModelConfig.from_hf_config(hf_config)
-    if _is_gguf(path) and config.model_type in ("gemma3", "gemma3_text"):
-        raise ValueError(f"{path}: Gemma 3 GGUF files are not supported; load the Hugging Face checkpoint "
-                         "(config.json + *.safetensors) instead")
+    if _is_gguf(path):
+        config = _with_gguf_metadata(path, config)
     # Chat models often list extra end-of-turn ids in generation_config.json only.
     gen_file = Path(path) / "generation_config.json"
     if _is_gguf(path) or not gen_file.is_file():

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.layers import Linear, VocabParallelEmbedding
-from pagedserve.models.llama import DecoderForCausalLM, Target
+from pagedserve.models.llama import DecoderForCausalLM, Target, split_fused_tensors
 from pagedserve.models.quantized import (GGUF_FORMATS, QuantizedTensor, QuantizedWeight, from_gguf, quantize_int4,
                                          quantize_int8)
 
@@ -35,10 +35,12 @@ _DENSE_GGUF_TYPES = ("F32", "F16", "BF16")
 
 def gguf_tensors(reader, config: ModelConfig, names: Iterable[str]) -> Iterator[tuple[str, QuantizedTensor | Tensor]]:
     """The checkpoint tensors `names` (transformers' names) of a GGUF, as stored: a QuantizedTensor
-    for each format with a kernel, float32 tensors otherwise. llama.cpp stores a Llama's q/k rows
-    permuted (rotary halves interleaved); they are put back, as transformers does."""
+    for each format with a kernel, float32 tensors otherwise. What llama.cpp's converter changed is
+    put back, as transformers' GGUF loader does: a Llama's q/k rows permuted (rotary halves
+    interleaved), a Gemma 3's norm weights stored as 1 + w. A Phi-3's fused attn_qkv and ffn_up
+    (q | k | v, gate | up) are cut by rows into their parts, still quantized (GGUF blocks run
+    along a row, so any row range is whole blocks)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-    from gguf.quants import dequantize
 
     field = reader.fields["general.architecture"]
     arch = field.parts[field.data[0]].tobytes().decode()
@@ -47,28 +49,55 @@ def gguf_tensors(reader, config: ModelConfig, names: Iterable[str]) -> Iterator[
         raise ValueError(f"GGUF architecture {arch!r} is not one gguf-py knows")
     name_map = get_tensor_name_map(arch_id, config.num_layers)
     stored = {t.name: t for t in reader.tensors}
+    names = list(names)
+    if arch == "phi3":  # only the fused tensors exist (ffn_up is gate | up): ask for those
+        names = list(dict.fromkeys(_fused_name(name) for name in names))
     widened: dict[str, list[str]] = defaultdict(list)
-    for name in names:
-        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        tensor = stored.get(gguf_name) if gguf_name else None
-        if tensor is None:
-            continue  # the caller reports what is missing
-        kind = tensor.tensor_type.name
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest dimension first
-        if kind in GGUF_FORMATS and len(shape) == 2:
-            value = _unpacked(kind, tensor.data, shape, gguf_name)
-        else:
-            if kind not in _DENSE_GGUF_TYPES:
-                widened[kind].append(gguf_name)
-            value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)).reshape(shape))
-        if arch == "llama" and ("attn_q." in gguf_name or "attn_k." in gguf_name):
-            heads = config.num_heads if "attn_q." in gguf_name else config.num_kv_heads
-            value = _unpermute_rows(value, heads)
-        yield name, value
+
+    def read() -> Iterator[tuple[str, QuantizedTensor | Tensor]]:
+        for name in names:
+            gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+            tensor = stored.get(gguf_name) if gguf_name else None
+            if tensor is None:
+                continue  # the caller reports what is missing
+            value = _stored_value(tensor, gguf_name, widened)
+            if arch == "llama" and ("attn_q." in gguf_name or "attn_k." in gguf_name):
+                heads = config.num_heads if "attn_q." in gguf_name else config.num_kv_heads
+                value = _unpermute_rows(value, heads)
+            if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+                value = value - 1  # float32, as transformers subtracts it
+            yield name, value
+
+    yield from split_fused_tensors(config, read())
     for kind, tensors in widened.items():
         more = f" and {len(tensors) - 3} more" if len(tensors) > 3 else ""
         logger.warning("%d tensors are %s, which has no kernel here: dequantized at load (%s%s)", len(tensors), kind,
                        ", ".join(tensors[:3]), more)
+
+
+_FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def _fused_name(name: str) -> str:
+    """The fused tensor's name for a q/k/v or gate/up part's (split_fused_tensors cuts it again)."""
+    module_path, _, leaf = name.rpartition(".")
+    parent, _, module = module_path.rpartition(".")
+    return f"{parent}.{_FUSED_PARTS[module]}.{leaf}" if module in _FUSED_PARTS else name
+
+
+def _stored_value(tensor, gguf_name: str, widened: dict[str, list[str]]) -> QuantizedTensor | Tensor:
+    """A GGUF tensor as a QuantizedTensor where its format has a kernel, else float32 (its name
+    noted in `widened` under a quantized format)."""
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type.name
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+    if kind in GGUF_FORMATS and len(shape) == 2:
+        return _unpacked(kind, tensor.data, shape, gguf_name)
+    if kind not in _DENSE_GGUF_TYPES:
+        widened[kind].append(gguf_name)
+    return torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)).reshape(shape))
 
 
 def _unpacked(kind: str, data: np.ndarray, shape: tuple[int, int], name: str) -> QuantizedTensor:

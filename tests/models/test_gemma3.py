@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText, Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
 from pagedserve.models.config import ModelConfig
-from pagedserve.models.loader import _model_config, load_config, load_model
+from pagedserve.models.loader import load_config, load_model
 from tests.conftest import GEMMA3_TEXT, randomize_
 from tests.models.test_llama import TOL, hf_greedy, hf_logits, run_in_chunks
 
@@ -51,11 +51,6 @@ def test_transformers_defaults_give_gemma3s_two_rope_bases():
 def test_gemma3_variants_we_cannot_run_are_refused(setting, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config(Gemma3TextConfig(**{**GEMMA3_TEXT, **setting}))
-
-
-def test_a_gemma3_gguf_is_refused():
-    with pytest.raises(ValueError, match="Gemma 3 GGUF files are not supported"):
-        _model_config("/models/gemma-3.gguf", Gemma3TextConfig(**GEMMA3_TEXT))
 
 
 def tiny_multimodal():

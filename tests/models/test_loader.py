@@ -364,16 +364,3 @@ def test_damaged_json_file_is_named(tiny_checkpoint, tmp_path, name, content, re
     with pytest.raises(ValueError, match=f"^{re.escape(str(d / name))} {reason}"):
         loader(str(d))
 
-
-def test_a_phi3_gguf_is_read_dequantized(monkeypatch, caplog):
-    """Its GGUF holds q|k|v and gate|up as one tensor each (attn_qkv, ffn_up): dequantized with the
-    rest, then cut like a safetensors checkpoint's."""
-    from pagedserve.models import loader
-
-    monkeypatch.setattr(loader, "quantized_kernels_available", lambda: True)
-    cpu = torch.device("cpu")
-    assert loader._runs_quantized("m.gguf", "auto", cpu, ModelConfig.from_hf_config(LlamaConfig(**TINY)))
-    phi3 = ModelConfig.from_hf_config(Phi3Config(**TINY, pad_token_id=None))
-    assert not loader._runs_quantized("m.gguf", "auto", cpu, phi3)
-    assert "Phi-3 GGUF" in caplog.text
-    assert loader._runs_quantized("m", "int8", cpu, phi3)  # a float checkpoint quantizes at load as any
