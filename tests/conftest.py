@@ -183,9 +183,8 @@ class PagedHarness:
 
     def __init__(self, model, config, block_size: int, num_blocks: int, seed: int = 0):
         self.model, self.block_size = model, block_size
-        self.kv_caches = allocate_kv_cache(
-            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32, "cpu"
-        )
+        self.kv_caches = [cache for heads, dim in config.kv_buffer_shapes(uniform=True)
+                          for cache in allocate_kv_cache(1, num_blocks, block_size, heads, dim, torch.float32, "cpu")]
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables: dict[object, list[int]] = {}
         self.computed: dict[object, int] = {}

@@ -42,12 +42,13 @@ class AttentionBackend(Protocol):
         backend as its `backend`."""
         ...
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
+    def forward(self, q: Tensor, k: Tensor | None, v: Tensor | None, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, kv_scales: Tensor | None = None,
                 sinks: Tensor | None = None) -> Tensor:
         """Store this step's K/V in their slots, then attend for every request over its whole context:
         the contract of `torch_ref.paged_attention` (sinks: the layer's [num_heads] float32 sink
-        logits, gpt-oss style, or None)."""
+        logits, gpt-oss style, or None). k = v = None: store nothing (a KV-shared layer, reading the
+        cache its source layer wrote this step)."""
         ...
 
 

@@ -120,8 +120,8 @@ def _group_by_length(reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
 
 def paged_attention(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
     k_cache: Tensor,
     v_cache: Tensor,
     md: SdpaMetadata,
@@ -133,7 +133,8 @@ def paged_attention(
     """`torch_ref.paged_attention`'s contract, on the paths in this module's docstring."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     kv_scales = unit_scales(kv_scales, q.device)
-    store_kv(k_cache, v_cache, k, v, md.slot_mapping, kv_scales)
+    if k is not None:  # None: a KV-shared layer, whose source layer stored this step's K/V
+        store_kv(k_cache, v_cache, k, v, md.slot_mapping, kv_scales)
     k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # one row per block
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
 

@@ -28,8 +28,8 @@ from pagedserve.attention.metadata import AttentionMetadata
 
 def paged_attention(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
     k_cache: Tensor,
     v_cache: Tensor,
     md: AttentionMetadata,
@@ -52,7 +52,7 @@ def paged_attention(
     qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
     # Request i's new tokens are rows qsl[i]:qsl[i+1] of the batch, the last of its seq_lens[i]
     # context positions. Every write comes first: they are part of the request's own context.
-    for i, table in enumerate(tables):
+    for i, table in enumerate(tables if k is not None else ()):  # k None: a KV-shared layer stores nothing
         first_pos = seq_lens[i] - (qsl[i + 1] - qsl[i])
         for row in range(qsl[i], qsl[i + 1]):
             _write(k_cache, table, first_pos + row - qsl[i], k[row], k_scale)

@@ -288,8 +288,8 @@ def products_in_float32(q: Tensor) -> bool:
 
 def paged_attention(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
     k_cache: Tensor,
     v_cache: Tensor,
     md: TritonMetadata,
@@ -303,11 +303,12 @@ def paged_attention(
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if block_size & (block_size - 1):
         raise ValueError(f"the Triton backend needs a power-of-two block size, got {block_size}")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q = q.contiguous()
     row = num_kv_heads * head_dim
     kv_scales, fp8, f32 = unit_scales(kv_scales, q.device), is_fp8(k_cache), products_in_float32(q)
-    _write_kv[(num_tokens,)](k, v, k_cache, v_cache, md.slot_mapping, kv_scales, ROW=row,
-                             ROW_PAD=triton.next_power_of_2(row), FP8=fp8)
+    if k is not None:  # None: a KV-shared layer, whose source layer stored this step's K/V
+        _write_kv[(num_tokens,)](k.contiguous(), v.contiguous(), k_cache, v_cache, md.slot_mapping, kv_scales,
+                                 ROW=row, ROW_PAD=triton.next_power_of_2(row), FP8=fp8)
 
     out = torch.empty_like(q)
     window = sliding_window or 0

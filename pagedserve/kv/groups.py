@@ -11,6 +11,11 @@ The number of layers per group is the greatest common divisor of the layer count
 so no buffer is padded: Gemma-3-27B (52 sliding, 10 full layers) makes 26 sliding and 5 full
 groups of 2 layers; a model of one kind makes one group of all its layers.
 
+Layers whose pages differ in bytes (Gemma 4's full and sliding layers: their own head size and KV
+heads) cannot share such a pool: ModelConfig.kv_layout gives them one uniform group, each layer
+buffer of its own shape (ModelConfig.kv_buffer_shapes). KV-shared layers hold no cache and are not
+in the layout.
+
 Pure Python (no torch).
 """
 

@@ -22,8 +22,9 @@ SUPPORTED_ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # transformers' names (ACT2FN)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 _PARTIAL_ROTARY_ARCHS = ("phi3",)  # whose transformers attention rotates only the first rotary_dim dims
@@ -77,29 +78,72 @@ class ModelConfig:
     # The sliding-window layers' own RoPE (Gemma 3's local base); None: rope_theta / rope_scaling.
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # What Gemma 4 adds. Per layer (empty: every layer head_dim, num_kv_heads, its own K/V, intermediate_size):
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    kv_sources: tuple[int, ...] = ()     # the layer whose K/V it attends over: itself, or a KV-shared layer's source
+    k_eq_v_layers: tuple[bool, ...] = ()  # V is K's projection (before k_norm): no v_proj
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    value_norm: bool = False             # V is RMS-normalised (no weight) per head
+    norm_scale_float32: bool = False     # RMSNorm scales by weight in float32, then rounds (Gemma 4)
+    per_layer_input_size: int = 0        # per-layer embeddings (PLE) of this width; 0: none
+    per_layer_vocab_size: int = 0
+    layer_scalar: bool = False           # each layer's output is multiplied by a learned scalar
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        for name in ("sliding_windows", "rope_layers"):
+        for heads in self.layer_kv_heads or (self.num_kv_heads,):
+            if self.num_heads % heads:
+                raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({heads})")
+        for name in ("sliding_windows", "rope_layers", "layer_head_dims", "layer_kv_heads", "kv_sources",
+                     "k_eq_v_layers", "layer_intermediate_sizes"):
             if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {self.num_layers} layers")
 
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
+    def layer_head_dim(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def layer_num_kv_heads(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache this layer reads (itself unless it is a KV-shared layer)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers that hold a KV cache: all but the KV-shared ones, which come last (Gemma 4)."""
+        return sum(self.kv_source(i) == i for i in range(self.num_layers))
+
+    @property
+    def mixed_kv_shapes(self) -> bool:
+        """Whether the cache layers' pages differ in size (Gemma 4's full and sliding layers)."""
+        return len({(self.layer_num_kv_heads(i), self.layer_head_dim(i)) for i in range(self.num_cache_layers)}) > 1
+
     def kv_layout(self, uniform: bool = False) -> KVLayout:
-        """The layers' KV cache groups (kv/groups.py). uniform: one full-attention group of every
-        layer, windows only masked (the layout of an engine without groups, for comparison)."""
-        if uniform or not self.sliding_windows:
-            return KVLayout.uniform(self.num_layers)
-        return KVLayout.of([self.layer_window(i) for i in range(self.num_layers)])
+        """The cache layers' KV cache groups (kv/groups.py). uniform: one full-attention group of
+        every cache layer, windows only masked (the layout of an engine without groups, for
+        comparison). Layers whose pages differ in size get that uniform layout too: groups share
+        one pool of equal-size pages, which such layers cannot make (kv/groups.py)."""
+        if uniform or not self.sliding_windows or self.mixed_kv_shapes:
+            return KVLayout.uniform(self.num_cache_layers)
+        return KVLayout.of([self.layer_window(i) for i in range(self.num_cache_layers)])
+
+    def kv_buffer_shapes(self, kv_heads: int | None = None, uniform: bool = False) -> list[tuple[int, int]]:
+        """(KV heads, head dim) of each layer buffer a block spans (one per `layers_per_block`
+        slot): the cache layers' own where their shapes differ (then the layout is uniform and
+        slot j is layer j), else each slot `kv_heads` (one rank's; default all) x head_dim."""
+        if self.mixed_kv_shapes:
+            return [(self.layer_num_kv_heads(i), self.layer_head_dim(i)) for i in range(self.num_cache_layers)]
+        per = self.kv_layout(uniform).layers_per_block
+        return [(kv_heads or self.layer_num_kv_heads(0), self.layer_head_dim(0))] * per
 
     def kv_bytes_per_block_token(self, dtype: torch.dtype, kv_heads: int | None = None, uniform: bool = False) -> int:
         """Bytes one token slot of a block takes: K and V in each layer buffer a block spans
-        (`KVLayout.layers_per_block`; all layers for a model of one kind of layer)."""
-        per = self.kv_layout(uniform).layers_per_block
-        return kv_bytes_per_token(per, kv_heads or self.num_kv_heads, self.head_dim, dtype.itemsize)
+        (`KVLayout.layers_per_block`; all cache layers for a model of one kind of layer)."""
+        return sum(kv_bytes_per_token(1, h, d, dtype.itemsize) for h, d in self.kv_buffer_shapes(kv_heads, uniform))
 
     def layer_uses_rope(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
@@ -109,9 +153,12 @@ class ModelConfig:
         return self.sliding_rope_theta is not None and self.layer_window(layer) is not None
 
     def kv_bytes_per_token(self, dtype: torch.dtype, kv_heads: int | None = None) -> int:
-        """Bytes of K and V one token occupies across all layers (of `kv_heads` heads: one
+        """Bytes of K and V one token occupies across all cache layers (of `kv_heads` heads: one
         tensor-parallel rank's; default all of them)."""
-        return kv_bytes_per_token(self.num_layers, kv_heads or self.num_kv_heads, self.head_dim, dtype.itemsize)
+        if self.mixed_kv_shapes:
+            return self.kv_bytes_per_block_token(dtype)
+        return kv_bytes_per_token(self.num_cache_layers, kv_heads or self.num_kv_heads, self.layer_head_dim(0),
+                                  dtype.itemsize)
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> ModelConfig:
@@ -120,13 +167,16 @@ class ModelConfig:
         check_architecture(model_type, getattr(hf, "architectures", None))
         # A multimodal checkpoint nests its language model's config; the rest (vision) is not read.
         text = hf.get_text_config() if model_type == "gemma3" else hf
-        gemma = model_type in ("gemma3", "gemma3_text")
+        gemma4 = model_type == "gemma4_text"
+        gemma = model_type in ("gemma3", "gemma3_text") or gemma4
         act = (getattr(text, "hidden_activation", None) if gemma else None) or getattr(text, "hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}: the gated MLP here implements "
                              f"{', '.join(SUPPORTED_ACTIVATIONS)}")
         num_heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        # Gemma 4's head size and KV heads are per layer (config.per_layer_config); these are layer 0's.
+        layer0 = text.per_layer_config[0] if gemma4 else text
+        head_dim = getattr(layer0, "head_dim", None) or text.hidden_size // num_heads
         eos_ids = _token_ids(getattr(text, "eos_token_id", None)) + (
             _token_ids(getattr(hf, "eos_token_id", None)) if text is not hf else ())
         bos = getattr(text, "bos_token_id", None)
@@ -151,7 +201,8 @@ class ModelConfig:
         # SmolLM3: no_rope_layers[i] is 1 where layer i applies RoPE, 0 where it is a NoPE layer.
         rope_layers = tuple(bool(u) for u in text.no_rope_layers) if model_type == "smollm3" else ()
 
-        gemma_fields = _gemma3_fields(text, model_type, windows) if gemma else {}
+        gemma_fields = (_gemma4_fields(text, windows) if gemma4 else _gemma3_fields(text, model_type, windows)
+                        if gemma else {})
         rope_theta, rope_scaling, rotary_fraction = gemma_fields.pop("rope") if gemma else _rope(text)
         rotary_dim = _rotary_dim(model_type, head_dim, rotary_fraction)
         frequencies = (rotary_dim or head_dim) // 2
@@ -167,7 +218,7 @@ class ModelConfig:
             hidden_size=text.hidden_size,
             intermediate_size=text.intermediate_size,
             num_heads=num_heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=getattr(layer0, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             vocab_size=text.vocab_size,
             max_position_embeddings=text.max_position_embeddings,
@@ -224,6 +275,74 @@ def _gemma3_fields(text: Any, model_type: str, windows: tuple[int | None, ...]) 
     }
 
 
+def _gemma4_fields(text: Any, windows: tuple[int | None, ...]) -> dict[str, Any]:
+    """What Gemma 4's text model (transformers' modeling_gemma4.py) sets apart from Gemma 3's:
+    plain-weight norms scaled in float32, attention scale 1, a normalised V, per-layer-type head
+    size and KV heads, K = V on full layers (attention_k_eq_v), KV-shared last layers, per-layer
+    embeddings, a scalar per layer, proportional RoPE on the full layers. ValueError for what we
+    cannot run."""
+    if getattr(text, "enable_moe_block", False):
+        raise ValueError("Gemma 4 with enable_moe_block (a mixture-of-experts block beside the MLP) is not supported")
+    if getattr(text, "use_bidirectional_attention", None):
+        raise ValueError("use_bidirectional_attention is not supported: the decoder attends causally")
+    n = text.num_hidden_layers
+    per_layer = text.per_layer_config
+    sharing = text.kv_sharing_modes
+    first_shared = n - text.num_kv_shared_layers
+    # A shared layer reads the last cache layer of its type before the shared ones (transformers'
+    # "store" layer of that type).
+    sources = []
+    for i in range(n):
+        if sharing[i] != "reuse":
+            sources.append(i)
+            continue
+        same = [j for j in range(first_shared) if text.layer_types[j] == text.layer_types[i]]
+        if not same:
+            raise ValueError(f"Gemma 4 layer {i} shares the K/V of a {text.layer_types[i]} layer, but none holds a cache")
+        sources.append(same[-1])
+    if any(sources[i] != i for i in range(first_shared)) or first_shared < 1:
+        raise ValueError("Gemma 4 configs whose every layer is KV-shared are not supported")
+    vocab_ple = int(getattr(text, "vocab_size_per_layer_input", 0) or 0)
+    ple = int(getattr(text, "hidden_size_per_layer_input", 0) or 0)
+    if ple and vocab_ple < text.vocab_size:
+        raise ValueError(f"vocab_size_per_layer_input ({vocab_ple}) below vocab_size ({text.vocab_size}) is not "
+                         "supported: some tokens would have no per-layer embedding")
+    params = text.rope_parameters
+    full = _rope(text, params["full_attention"])
+    sliding = _rope(text, params["sliding_attention"]) if "sliding_attention" in params else full
+    for kind, rope in (("full_attention", full), ("sliding_attention", sliding)):
+        if rope[2] != 1.0:
+            raise ValueError(f"Gemma 4 {kind} RoPE with partial_rotary_factor={rope[2]} outside proportional "
+                             "RoPE is not supported")
+    full_layers = [i for i in range(n) if windows[i] is None]
+    sliding_layers = [i for i in range(n) if windows[i] is not None]
+    dims = tuple(per_layer[i].head_dim for i in range(n))
+    for group in (full_layers, sliding_layers):
+        if len({dims[i] for i in group}) > 1:
+            raise ValueError("Gemma 4 layers of one type with different head sizes are not supported")
+    double = bool(getattr(text, "use_double_wide_mlp", False))
+    return {
+        "sandwich_norms": True,
+        "norm_scale_float32": True,
+        "value_norm": True,
+        "embed_scale": text.hidden_size**0.5,
+        "attention_scale": 1.0,
+        "final_logit_softcapping": getattr(text, "final_logit_softcapping", None),
+        "rope": full,
+        "sliding_rope_theta": None if sliding == full else sliding[0],
+        "sliding_rope_scaling": None if sliding == full else sliding[1],
+        "layer_head_dims": dims,
+        "layer_kv_heads": tuple(per_layer[i].num_key_value_heads for i in range(n)),
+        "kv_sources": tuple(sources),
+        "k_eq_v_layers": tuple(bool(text.attention_k_eq_v) and windows[i] is None for i in range(n)),
+        "layer_intermediate_sizes": tuple(text.intermediate_size * (2 if double and sources[i] != i else 1)
+                                          for i in range(n)),
+        "per_layer_input_size": ple,
+        "per_layer_vocab_size": vocab_ple if ple else 0,
+        "layer_scalar": True,
+    }
+
+
 def _smollm3_window(hf: Any, window: int | None, layer_types: list[str] | None) -> int | None:
     """SmolLM3's window, used on its "sliding_attention" layers only when use_sliding_window is
     set. Its layer_types may name sliding layers without it, and then transformers' eager and
@@ -269,6 +388,9 @@ def _rope(hf: Any, params: dict[str, Any] | None = None) -> tuple[float, dict[st
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     fraction = float(params.get("partial_rotary_factor") or getattr(hf, "partial_rotary_factor", None) or 1.0)
+    if rope_type == "proportional":  # rotates the whole head, its frequencies past the fraction zero
+        return float(theta), {"rope_type": rope_type, "partial_rotary_factor": fraction,
+                              "factor": float(params.get("factor", 1.0))}, 1.0
     if rope_type == "default":
         return float(theta), None, fraction
     max_len = hf.max_position_embeddings

@@ -23,15 +23,21 @@ class RMSNorm(nn.Module):
     """Llama's RMSNorm, weight * dtype(normalised x); with unit_offset Gemma's, dtype(normalised x *
     (1 + weight)) all in float32 (its weights are stored as offsets from one)."""
 
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False, scale_float32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps, self.unit_offset = eps, unit_offset
+        # Gemma 4: weight * normalised x in float32, then rounded; the fused kernel has no such form
+        # (in float32 it is Llama's, which it has).
+        self.scale_float32 = scale_float32
+
+    def fused(self, x: Tensor) -> bool:
+        return fused_cpu.available(x) and (not self.scale_float32 or x.dtype == torch.float32)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """norm(x); with a residual, (norm(x + residual), x + residual), the sum written into
         residual's memory on the fused CPU path."""
-        if fused_cpu.available(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        if self.fused(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             out = fused_cpu.rms_norm(x, self.weight, self.eps, residual, self.unit_offset)
             return out if residual is None else (out, residual)
         if residual is None:
@@ -42,7 +48,7 @@ class RMSNorm(nn.Module):
     def heads(self, x: Tensor) -> Tensor:
         """norm of each head of x [num_tokens, heads, head_dim] (the q/k norms). On the fused CPU
         path x is normalised in place (it may be a view of the fused qkv output)."""
-        if fused_cpu.available(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        if self.fused(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
             return fused_cpu.rms_norm_heads_(x, self.weight, self.eps, self.unit_offset)
         return self.norm(x)
 
@@ -52,7 +58,15 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        if self.scale_float32:
+            return (x32 * self.weight.float()).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+
+def rms_norm_unscaled(x: Tensor, eps: float) -> Tensor:
+    """RMSNorm without a weight over the last dim, in float32, rounded back (Gemma 4's V norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None = None, long: bool = False) -> Tensor:
@@ -71,6 +85,12 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None = None,
         return 1.0 / (factors * theta**exponents)
     if rope_type == "yarn":
         return _yarn_inv_freq(dim, theta, scaling)
+    if rope_type == "proportional":
+        # Gemma 4's full layers: the first fraction of the head's frequency pairs turn as plain RoPE
+        # over the whole head would, the rest do not turn (frequency zero: cos 1, sin 0).
+        angles = int(scaling["partial_rotary_factor"] * dim // 2)
+        turning = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
+        return torch.cat([turning, torch.zeros(dim // 2 - angles)]) / scaling["factor"]
     inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
         return inv_freq / scaling["factor"]

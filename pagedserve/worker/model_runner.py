@@ -98,8 +98,10 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
         kv_heads = kv_heads_per_rank(c.num_kv_heads, self.config.tensor_parallel_size)  # this rank's
-        self.kv_caches = allocate_kv_cache(self.kv_layout.layers_per_block, num_blocks, self.block_size, kv_heads,
-                                           c.head_dim, self.config.kv_torch_dtype, self.device)
+        # One buffer per slot, of its layers' shape (Gemma 4's differ per layer: config.kv_buffer_shapes).
+        shapes = c.kv_buffer_shapes(kv_heads, self.config.disable_hybrid_kv_cache)
+        self.kv_caches = [cache for h, d in shapes for cache in allocate_kv_cache(
+            1, num_blocks, self.block_size, h, d, self.config.kv_torch_dtype, self.device)]
         if self.kv_layout.num_groups == 1:
             self.layer_caches = self.kv_caches
         else:
