@@ -170,8 +170,9 @@ def _shared_frame(s: _Snapshot) -> dict:
                    "num_waiting": core.num_waiting, "num_preemptions": core.num_preemptions,
                    "offloaded_blocks": view.offloaded_blocks},
         # blocks: every block the request holds, group by group; groups: each group's table (null: left the window)
-        "requests": [{"id": i, "status": st, "num_tokens": n, "blocks": [b for table in t for b in table if b is not None],
-                      "groups": t} for i, st, n, t in view.requests],
+        "requests": [{"id": i, "status": st, "num_tokens": n,
+                      "blocks": [b for table in t for b in table if b is not None], "groups": t}
+                     for i, st, n, t in view.requests],
         "num_requests": view.num_requests,
         "series": {name: [point[k] for point in s.series] for k, name in enumerate(SERIES)},
     }
