@@ -4,6 +4,8 @@
   as safetensors, plus the transformers model itself as the reference (eager attention, float32).
 - `embedded_hf_model`, `embedded_tokenizer`, `embedded_model`: the embedded SmolLM2 GGUF loaded by
   transformers and by us. Session-scoped: each load takes seconds.
+- `windowed_checkpoint`: a tiny Qwen3 of two sliding-window layers and one full one (three KV cache
+  groups), saved as safetensors, with its transformers model.
 - `arch`: parametrizes a test over the tiny architectures.
 - `paged_harness` (the PagedHarness class): drives our model the way the engine does, over a
   pool whose blocks are handed out in random order.
@@ -107,6 +109,22 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+# Two sliding layers (window 8) around a full one: KV cache groups of one layer each, 2 sliding and 1 full.
+WINDOWED_QWEN3 = dict(_DIMS, num_hidden_layers=3, head_dim=16, sliding_window=8, use_sliding_window=True,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+@pytest.fixture(scope="session")
+def windowed_checkpoint(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """(checkpoint directory, transformers model) of WINDOWED_QWEN3 with random weights."""
+    path = tmp_path_factory.mktemp("tiny-windowed")
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**WINDOWED_QWEN3), attn_implementation="eager",
+                                             dtype=torch.float32)
+    randomize_(model, seed=11)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return path, model
 
 
 # 4 heads, 1 KV head (replicated at TP=2), a vocabulary of the embedded tokenizer's size plus 1

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pagedserve.kv import KVCacheManager
 from pagedserve.kv.groups import KVLayout
-from pagedserve.kv.sizes import cdiv
+from pagedserve.kv.sizes import kv_tokens_kept
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,7 @@ def fill(layout: LayerLayout, uniform: bool, budget_bytes: int, context: int, bl
 def ideal_bytes(layout: LayerLayout, context: int, block_size: int) -> int:
     """K/V a request of `context` tokens must keep: every token in a full layer, the window and one
     block in a sliding one."""
-    return layout.kv_bytes_per_layer_token * sum(
-        context if w is None else min(context, w + block_size) for w in layout.windows)
+    return layout.kv_bytes_per_layer_token * sum(kv_tokens_kept(context, w, block_size) for w in layout.windows)
 
 
 def run_layouts_bench(budget_bytes: int = 64 << 30, contexts: tuple[int, ...] = (8192, 32768, 131072),

@@ -35,6 +35,7 @@ from pagedserve.core.speculation import Speculation
 from pagedserve.executor import make_executor
 from pagedserve.executor.base import Executor, ExecutorFailed
 from pagedserve.kv import KVCacheManager, KVCacheStats
+from pagedserve.kv.groups import KVLayout
 from pagedserve.lora.request import LoRARequest
 from pagedserve.lora.weights import adapter_identity
 from pagedserve.models.loader import load_tokenizer
@@ -117,6 +118,25 @@ def validate_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -
         raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}")
 
 
+def kv_pool_line(num_blocks: int, block_size: int, bytes_per_block_token: int, layout: KVLayout, max_model_len: int,
+                 chunk: int, per_rank: bool = False, masked: bool = False) -> str:
+    """The pool in one line for the startup log: its blocks and bytes, its KV cache groups, and the
+    blocks the longest request holds at once (computed `chunk` tokens a step). masked: the model has
+    sliding windows, kept as one full group (disable_hybrid_kv_cache)."""
+    size = _in_units(num_blocks * block_size * bytes_per_block_token)
+    return (f"KV pool: {num_blocks:,} blocks of {block_size} tokens ({size}{' per rank' if per_rank else ''}): "
+            f"{layout.summary()}{' (sliding windows only masked: disable_hybrid_kv_cache)' if masked else ''}; "
+            f"a request of max_model_len ({max_model_len:,}) holds "
+            f"{layout.blocks_per_request(max_model_len, block_size, chunk):,} blocks")
+
+
+def _in_units(num_bytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if num_bytes >= 1 << shift:
+            return f"{num_bytes / (1 << shift):.1f} {unit}"
+    return f"{num_bytes} B"
+
+
 @dataclass
 class EngineStats:
     """Running totals since the engine started."""
@@ -161,6 +181,10 @@ class EngineCore:
         self.num_blocks, self.max_model_len = config.resolve_kv_pool(kv_bytes_per_token, model_max_len, measured,
                                                                      layout)
         self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
+        logger.info("%s", kv_pool_line(self.num_blocks, config.block_size, kv_bytes_per_token, layout,
+                                       self.max_model_len, config.max_num_batched_tokens,
+                                       config.tensor_parallel_size > 1,
+                                       masked=config.disable_hybrid_kv_cache and bool(model_config.sliding_windows)))
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                  tier=self.executor.kv_tier(), offload_policy=config.kv_offload_policy,
                                  offload_min_hits=config.kv_offload_min_hits, windows=layout.windows)
@@ -742,8 +766,9 @@ class EngineCore:
             c = self.speculation.counters
             spec = SpecDecodeStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
                                    list(c.accepted_per_position))
+        groups = [(window or 0, used) for window, used in zip(self.kv.windows, self.kv.pool.used_by_group)]
         return CoreStats(len(self.scheduler.running), num_waiting, self.kv.stats(),
-                         self.scheduler.num_preemptions, spec)
+                         self.scheduler.num_preemptions, spec, groups)
 
     def watch_kv(self, seconds: float) -> None:
         """Record the pool's changes for a live view for `seconds` from now (core/kv_view.py)."""

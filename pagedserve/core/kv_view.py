@@ -4,7 +4,9 @@ at most `INTERVAL` apart (and once more when the engine goes idle, so the last s
 The first view after a watch starts is `full`: the state of every block that is not free (those in a
 table or in the prefix cache; every other block is free), so that its cost grows with what is held,
 not with the pool. Later views carry only the blocks the pool noted as changed (`kv/watch.py`); each
-also carries the block tables of the requests in flight and the events since the last.
+also carries the block tables of the requests in flight (one per KV cache group) and the events
+since the last. A listed block's group is the one whose tokens it holds (`Block.group`), NO_GROUP for
+a free block (it holds nothing).
 Unwatched, nothing is recorded: the pool holds `watch = None`.
 """
 
@@ -23,6 +25,7 @@ MAX_REQUESTS = 64  # block tables sent per view (running first, then waiting)
 
 # A block's state in a view
 FREE, USED, SHARED, CACHED = 0, 1, 2, 3  # CACHED: free, but holding a prefix a request can still hit
+NO_GROUP = 255  # the group byte of a free block
 
 
 def block_state(block: Block) -> int:
@@ -34,9 +37,9 @@ def block_state(block: Block) -> int:
 
 
 class KVView(msgspec.Struct, array_like=True):
-    """The pool as the core sees it now: `states`/`refs` (one byte each, refs capped at 255) of the
-    blocks `block_ids`: when `full`, every block not free (the others are); else those changed since
-    the last view."""
+    """The pool as the core sees it now: `states`/`refs`/`groups` (one byte each, refs capped at 255)
+    of the blocks `block_ids`: when `full`, every block not free (the others are); else those changed
+    since the last view."""
 
     time: float  # time.monotonic(): one clock for the processes of a machine
     full: bool
@@ -45,10 +48,13 @@ class KVView(msgspec.Struct, array_like=True):
     block_ids: list[int]
     states: bytes
     refs: bytes
-    requests: list[tuple[str, str, int, list[int]]]  # (id, "running" or "waiting", tokens, block table)
+    # (id, "running" or "waiting", tokens, a block table per group: None where a block left the window)
+    requests: list[tuple[str, str, int, list[list[int | None]]]]
     num_requests: int
     events: list[KVEvent]
     offloaded_blocks: int  # blocks the KV tier holds (0 without one)
+    groups: bytes = b""  # the group of each of `block_ids` (NO_GROUP: free)
+    group_windows: list[int] = []  # each group's sliding window, 0 for full attention
 
 
 class KVViewer:
@@ -93,6 +99,7 @@ class KVViewer:
         blocks = [pool.blocks[i] for i in changed]
         states = bytes(block_state(b) for b in blocks)
         refs = bytes(min(b.ref_count, 255) for b in blocks)
+        groups = bytes(NO_GROUP if s == FREE else b.group for b, s in zip(blocks, states))
         scheduler = self.scheduler
         in_flight = [(r, "running") for r in scheduler.running[:MAX_REQUESTS]]
         in_flight += [(r, "waiting") for r in list(scheduler.waiting)[:MAX_REQUESTS - len(in_flight)]]
@@ -100,10 +107,15 @@ class KVViewer:
         tier = self.kv.tier
         return KVView(now, full, self.kv.block_size, pool.num_blocks, changed, states, refs,
                       requests, len(scheduler.running) + len(scheduler.waiting), events,
-                      len(tier) if tier is not None else 0)
+                      len(tier) if tier is not None else 0, groups, [w or 0 for w in self.kv.windows])
 
-    def _table(self, request_id) -> tuple[int, list[int]]:
-        """(tokens, block table) of a request; (0, []) for one that holds no blocks (waiting)."""
-        if request_id not in self.kv:
+    def _table(self, request_id) -> tuple[int, list[list[int | None]]]:
+        """(tokens, block table per group) of a request, None where a sliding group let go of a block
+        (its id there, NULL_BLOCK_ID, names a real block); (0, []) for one that holds no blocks (waiting)."""
+        kv = self.kv
+        if request_id not in kv:
             return 0, []
-        return self.kv.num_tokens(request_id), self.kv.block_ids(request_id)
+        held = kv._tables[request_id].groups  # which entries are None: the ids alone cannot tell
+        tables = [[None if block is None else block_id for block_id, block in zip(ids, blocks)]
+                  for ids, blocks in zip(kv.group_block_ids(request_id), held)]
+        return kv.num_tokens(request_id), tables

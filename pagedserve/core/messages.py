@@ -120,6 +120,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     kv: KVCacheStats
     num_preemptions: int
     spec: SpecDecodeStats | None = None  # with speculative decoding
+    kv_groups: list[tuple[int, int]] = []  # per KV cache group: (its window, 0 for full; blocks in use)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="outputs"):

@@ -1,10 +1,11 @@
 """The front's copy of the KV pool, kept from the core's `KVView`s, and the frames the page draws.
 
 The core sends every block's state once when a watch starts and then only the blocks that changed
-(core/kv_view.py); this keeps the whole pool as two byte arrays and turns it into a frame (the JSON
-the page renders; docs/architecture.md describes it) on request, once per view however many streams
-send it (`EncodedFrame`). A large pool is drawn as at most `MAX_CELLS` cells of several blocks each,
-each cell in the state most of its blocks are in.
+(core/kv_view.py); this keeps the whole pool as three byte arrays (state, ref count, KV cache group)
+and turns it into a frame (the JSON the page renders; docs/architecture.md describes it) on request,
+once per view however many streams send it (`EncodedFrame`). A large pool is drawn as at most
+`MAX_CELLS` cells of several blocks each, each cell in the state most of its blocks are in and of the
+group most of its held blocks are of.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from pagedserve.core.kv_view import CACHED, FREE, SHARED, USED, KVView
+from pagedserve.core.kv_view import CACHED, FREE, NO_GROUP, SHARED, USED, KVView
 from pagedserve.core.messages import CoreStats
 
 MAX_CELLS = 4096
@@ -52,6 +53,7 @@ class _Snapshot(NamedTuple):
     version: int
     states: np.ndarray
     refs: np.ndarray
+    groups: np.ndarray
     block_size: int
     view: KVView
     core: CoreStats
@@ -71,6 +73,7 @@ class KVWatch:
         self._origin: float | None = None  # the first view's time: frames count from it
         self._states = np.zeros(0, np.uint8)
         self._refs = np.zeros(0, np.uint8)
+        self._groups = np.zeros(0, np.uint8)  # NO_GROUP for a free block
         self._block_size = 0
         self._view: KVView | None = None  # the latest (its requests and figures)
         self._core: CoreStats | None = None
@@ -86,11 +89,13 @@ class KVWatch:
             if view.full:  # every block not listed is free
                 self._states = np.full(view.num_blocks, FREE, np.uint8)
                 self._refs = np.zeros(view.num_blocks, np.uint8)
+                self._groups = np.full(view.num_blocks, NO_GROUP, np.uint8)
             elif len(self._states) != view.num_blocks:
                 return  # changes to a pool this copy never saw whole (a new core): wait for its full view
             ids = np.asarray(view.block_ids, np.int64)
             self._states[ids] = np.frombuffer(view.states, np.uint8)
             self._refs[ids] = np.frombuffer(view.refs, np.uint8)
+            self._groups[ids] = np.frombuffer(view.groups, np.uint8)
             if self._origin is None:
                 self._origin = view.time
             self._block_size, self._view, self._core = view.block_size, view, core
@@ -117,7 +122,8 @@ class KVWatch:
                     return None
                 if self._encoded is not None and self._encoded.version == self.version:
                     return self._encoded
-                snapshot = _Snapshot(self.version, self._states.copy(), self._refs.copy(), self._block_size,
+                snapshot = _Snapshot(self.version, self._states.copy(), self._refs.copy(), self._groups.copy(),
+                                     self._block_size,
                                      self._view, self._core, list(self._series), list(self._events),
                                      self._num_events)
             events = [_encode(e) for e in snapshot.events]
@@ -141,6 +147,11 @@ def _shared_frame(s: _Snapshot) -> dict:
     cells, cell_refs, per_cell = _cells(s.states, s.refs)
     counts = np.bincount(s.states, minlength=4)
     kv = core.kv
+    windows = view.group_windows or [0]
+    held = (s.states == USED) | (s.states == SHARED)
+    in_group = s.groups < len(windows)
+    used = np.bincount(s.groups[held & in_group], minlength=len(windows))
+    cached = np.bincount(s.groups[(s.states == CACHED) & in_group], minlength=len(windows))
     return {
         "t": s.series[-1][0],
         "block_size": s.block_size,
@@ -148,17 +159,36 @@ def _shared_frame(s: _Snapshot) -> dict:
         "cell_blocks": per_cell,
         "cells": cells,
         "cell_refs": cell_refs,
+        "cell_groups": _cell_groups(s.groups, per_cell, len(windows)),
         "counts": {STATE_NAMES[state]: int(counts[state]) for state in STATE_NAMES},
+        "groups": [{"index": g, "window": w or None, "used_blocks": int(used[g]), "cached_blocks": int(cached[g])}
+                   for g, w in enumerate(windows)],
         "engine": {"total_blocks": kv.total_blocks, "free_blocks": kv.free_blocks,
                    "used_blocks": kv.used_blocks, "cached_free_blocks": kv.cached_free_blocks,
                    "usage": kv.usage, "waste": kv.waste, "prefix_hit_rate": kv.prefix_hit_rate,
                    "cow_copies": kv.cow_copies, "num_running": core.num_running,
                    "num_waiting": core.num_waiting, "num_preemptions": core.num_preemptions,
                    "offloaded_blocks": view.offloaded_blocks},
-        "requests": [{"id": i, "status": st, "num_tokens": n, "blocks": b} for i, st, n, b in view.requests],
+        # blocks: every block the request holds, group by group; groups: each group's table (null: left the window)
+        "requests": [{"id": i, "status": st, "num_tokens": n,
+                      "blocks": [b for table in t for b in table if b is not None], "groups": t}
+                     for i, st, n, t in view.requests],
         "num_requests": view.num_requests,
         "series": {name: [point[k] for point in s.series] for k, name in enumerate(SERIES)},
     }
+
+
+def _cell_groups(groups: np.ndarray, per_cell: int, num_groups: int) -> list[int]:
+    """Each cell's group: that of most of its blocks that hold tokens (ties to the lower group), -1
+    when none does."""
+    if per_cell == 1:
+        return np.where(groups == NO_GROUP, -1, groups.astype(np.int16)).tolist()
+    num_cells = -(-len(groups) // per_cell)
+    cell = np.arange(len(groups)) // per_cell
+    some = groups < num_groups
+    counts = np.bincount(cell[some] * num_groups + groups[some], minlength=num_cells * num_groups)
+    counts = counts.reshape(num_cells, num_groups)
+    return np.where(counts.max(1) > 0, counts.argmax(1), -1).tolist()
 
 
 def _cells(states: np.ndarray, refs: np.ndarray) -> tuple[list[int], list[int], int]:

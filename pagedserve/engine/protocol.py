@@ -42,6 +42,7 @@ class EngineStatsSnapshot:
     num_generation_tokens: int  # counted as they are generated, aborted requests included
     finished: dict[str, int]  # "stop" / "length" / "abort" / "error" -> sequences
     spec: SpecDecodeStats | None = None  # with speculative decoding
+    kv_groups: tuple[tuple[int, int], ...] = ()  # per KV cache group: (window, 0 for full; blocks in use)
 
 
 class EngineClient(Protocol):

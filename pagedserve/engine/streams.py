@@ -117,4 +117,5 @@ class RequestTracker:
         return EngineStatsSnapshot(
             num_running=core.num_running, num_waiting=core.num_waiting, kv=core.kv,
             num_preemptions=core.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens, finished=dict(self.finished), spec=core.spec)
+            num_generation_tokens=self.num_generation_tokens, finished=dict(self.finished), spec=core.spec,
+            kv_groups=tuple(tuple(group) for group in core.kv_groups))

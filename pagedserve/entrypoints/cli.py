@@ -13,7 +13,8 @@ from pathlib import Path
 def cmd_kv_calc(args: argparse.Namespace) -> None:
     from pagedserve.entrypoints.kv_calc import report, resolve_shape, weights_line
 
-    print(report(resolve_shape(args.model), args.dtype, args.tokens, args.tp_size, args.kv_cache_memory_bytes))
+    print(report(resolve_shape(args.model), args.dtype, args.tokens, args.tp_size, args.kv_cache_memory_bytes,
+                 args.block_size))
     weights = weights_line(args.model)  # for a checkpoint on disk, not a preset
     if weights:
         print(weights)
@@ -702,6 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-cache-memory-bytes", type=positive(int), default=None,
                     help="the KV pool per device: report the tokens it holds (default with N > 1: what N=1 "
                     "needs for --tokens)")
+    kv.add_argument("--block-size", type=positive(int), default=16,
+                    help="tokens per KV block: a sliding-window layer keeps its window and one block (default: 16)")
     kv.set_defaults(func=cmd_kv_calc)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

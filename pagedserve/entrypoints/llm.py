@@ -179,7 +179,8 @@ class LLM:
     # ---- figures -------------------------------------------------------------------------
 
     def get_metrics(self) -> dict[str, float]:
-        """Engine figures since start: KV usage and waste, prefix-cache hits, preemptions, throughput."""
+        """Engine figures since start: KV usage and waste (and each KV cache group's now), prefix-cache
+        hits, preemptions, throughput."""
         engine = self.llm_engine
         stats, kv = engine.stats, engine.kv_stats()
         peak = stats.kv_at_peak
@@ -203,8 +204,20 @@ class LLM:
             "kv_offload_loaded_blocks": kv.offload_loaded_blocks,
             "preemptions": engine.num_preemptions,
             "fast_paths_skipped": sum(reason is not None for reason in self.fast_paths().values()),
+            **self._group_metrics(),
             **self._spec_metrics(),
         }
+
+    def _group_metrics(self) -> dict[str, Any]:
+        """Each KV cache group's share of the pool now (kv/groups.py; one group for a model of one
+        kind of layer): its window (0: full attention), blocks in use and waste."""
+        groups = self.llm_engine.kv.group_stats()
+        metrics: dict[str, Any] = {"kv_groups": len(groups)}
+        for g, group in enumerate(groups):
+            metrics[f"kv_group_{g}_window"] = group.window or 0
+            metrics[f"kv_group_{g}_used_blocks"] = group.used_blocks
+            metrics[f"kv_group_{g}_waste"] = group.waste
+        return metrics
 
     def _spec_metrics(self) -> dict[str, Any]:
         """Speculative decoding's figures, when it is on: drafts verified, tokens drafted and accepted."""

@@ -102,7 +102,7 @@ class BlockPool:
     The figures are counters kept up to date by every call, so reading them is O(1).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -112,6 +112,9 @@ class BlockPool:
         self.cached: dict[Hashable, Block] = {}
         self.num_cached_free = 0  # free blocks that still hold a findable cached prefix
         self.num_filled_slots = 0  # sum of `num_tokens` over the blocks in use
+        # The same two per KV cache group (`Block.group`) of the blocks in use
+        self.used_by_group = [0] * num_groups
+        self.filled_by_group = [0] * num_groups
         # (block id, hash, hits) of each cached block that `allocate` evicted, when recorded (a KV
         # tier that receives blocks as they are evicted); its owner empties it.
         self.record_evictions = False
@@ -147,6 +150,7 @@ class BlockPool:
             block.group = group
             block.num_tokens = 0  # whatever it held is overwritten
             taken.append(block)
+        self.used_by_group[group] += n
         return taken
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -158,6 +162,8 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
                 self.num_filled_slots += block.num_tokens
+                self.used_by_group[block.group] += 1
+                self.filled_by_group[block.group] += block.num_tokens
                 if block.block_hash is not None:
                     self.num_cached_free -= 1
             block.ref_count += 1
@@ -176,6 +182,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.num_filled_slots -= block.num_tokens
+                self.used_by_group[block.group] -= 1
+                self.filled_by_group[block.group] -= block.num_tokens
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
                 else:
@@ -186,6 +194,7 @@ class BlockPool:
         """Record how many slots of an in-use block now hold a token."""
         assert block.ref_count > 0, f"{block} is not in use"
         self.num_filled_slots += num_tokens - block.num_tokens
+        self.filled_by_group[block.group] += num_tokens - block.num_tokens
         block.num_tokens = num_tokens
 
     def lookup(self, block_hash: Hashable) -> Block | None:

@@ -75,6 +75,15 @@ class KVLayout:
     def num_groups(self) -> int:
         return len(self.groups)
 
+    def summary(self) -> str:
+        """The groups in words, kinds in order: "31 groups of 2 layers: 26 x sliding 1024, 5 x full"."""
+        kinds: dict[str, int] = {}
+        for group in self.groups:
+            kinds[group.kind] = kinds.get(group.kind, 0) + 1
+        n, per = self.num_groups, self.layers_per_block
+        return (f"{n} group{'s' if n > 1 else ''} of {per} layer{'s' if per > 1 else ''}: "
+                + ", ".join(f"{count} x {kind}" for kind, count in kinds.items()))
+
     def layer_places(self) -> list[tuple[int, int]]:
         """(group, buffer slot) of each layer, by layer index."""
         places: dict[int, tuple[int, int]] = {}

@@ -183,7 +183,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.windows = tuple(windows)
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, num_groups=len(self.windows))
         self.tier = tier if enable_prefix_caching else None  # keyed by the prefix cache's hashes
         self.write_through = offload_policy == "write_through"
         self.offload_min_hits = offload_min_hits
@@ -707,13 +707,11 @@ class KVCacheManager:
             self.pool.watch.add(kind, req_id, held, text)
 
     def group_stats(self) -> list[GroupStats]:
-        """Each group's blocks in use and the token slots of those that hold a token (O(blocks))."""
-        used, filled = [0] * self.num_groups, [0] * self.num_groups
-        for block in self.pool.blocks:
-            if block.ref_count > 0:
-                used[block.group] += 1
-                filled[block.group] += block.num_tokens
-        return [GroupStats(w, u, f, self.block_size) for w, u, f in zip(self.windows, used, filled)]
+        """Each group's blocks in use and the token slots of those that hold a token (O(groups): the
+        pool's counters)."""
+        pool = self.pool
+        return [GroupStats(w, u, f, self.block_size)
+                for w, u, f in zip(self.windows, pool.used_by_group, pool.filled_by_group)]
 
     def stats(self) -> KVCacheStats:
         """O(1): every figure is a counter kept by the pool or here (the tests check them all

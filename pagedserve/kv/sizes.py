@@ -12,3 +12,9 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_
     """Bytes of K and V that one token occupies across all layers: a key and a value vector per KV
     head per layer."""
     return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
+def kv_tokens_kept(num_tokens: int, window: int | None, block_size: int) -> int:
+    """Token slots a layer must keep for a request of `num_tokens` tokens: every token under full
+    attention (`window` None), a sliding layer its window and the block being written."""
+    return num_tokens if window is None else min(num_tokens, window + block_size)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 # (time.monotonic(), kind, request id or None, block ids, text)
 KVEvent = tuple[float, str, str | None, list[int], str]
-EVENT_KINDS = ("admit", "grow", "prefix_hit", "fork", "cow", "preempt", "offload", "free", "evict")
+EVENT_KINDS = ("admit", "grow", "slide", "prefix_hit", "fork", "cow", "preempt", "offload", "free", "evict")
 
 
 def request_label(request: object) -> str:

@@ -1,5 +1,6 @@
 """The KV dashboard's page in headless Chromium: live on a real server while requests share a prefix,
-fork and copy on write; behind an API key; and the walk-through's replay page stepped through.
+fork and copy on write; a model with KV cache groups (each block's group, a table per group); behind
+an API key; and the walk-through's replay page stepped through.
 
 The tests read the page only through the names of the dashboard's contract (ids, classes,
 data-attributes). One `page.evaluate` runs between two renders, so the figures one call reads all come
@@ -9,13 +10,16 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
 from playwright.sync_api import expect
 
+from pagedserve.config import EngineConfig
 from pagedserve.dashboard.walkthrough import walkthrough_frames
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints import cli
-from tests.entrypoints.openai.server_harness import MODEL, read_metrics, serve_small_pool
+from tests.entrypoints.openai.server_harness import MODEL, read_metrics, serve_engine, serve_small_pool
 
 pytestmark = pytest.mark.slow
 
@@ -232,3 +236,93 @@ def test_the_walkthrough_replays_step_by_step(page, screenshot_dir, tmp_path):
     page.keyboard.press("ArrowLeft")
     expect(position).to_have_text(f"{cow_step - 1} / {n}")
     figures(page)
+
+
+def test_the_live_page_shows_each_blocks_kv_cache_group(windowed_checkpoint, embedded_tokenizer, page,
+                                                        screenshot_dir, monkeypatch):
+    """A model of two sliding layers (window 8) and a full one: the legend lists its three groups, each
+    cell carries its block's group, a request's row shows a table per group (the sliding ones holding
+    only their window, the blocks behind it counted as slid), and blocks leaving the window are events."""
+    engine = LLMEngine(EngineConfig(model=str(windowed_checkpoint[0]), block_size=4, num_kv_blocks=96,
+                                    max_model_len=128, max_num_batched_tokens=16), tokenizer=embedded_tokenizer)
+    step = engine.core.step
+
+    def paced_step():  # a warm tiny model decodes 80 tokens in well under the page's 4 frames a second
+        time.sleep(0.03)
+        return step()
+
+    monkeypatch.setattr(engine.core, "step", paced_step)
+    with serve_engine(engine) as server:
+        open_live(page, f"{server.url}/dashboard")
+        legend = page.locator("#groups-legend .group-item")
+        expect(legend).to_have_count(3, timeout=WAIT_MS)
+        names = page.evaluate("() => [...document.querySelectorAll('#groups-legend .group-name')]"
+                              ".map(n => n.textContent)")
+        assert names == ["group 0: sliding 8", "group 1: sliding 8", "group 2: full"]
+
+        done, failures = threading.Event(), []
+
+        def run():
+            try:
+                server.client().completions.create(model=MODEL, prompt=list(range(3, 43)), max_tokens=80,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+            except Exception as e:  # reported by the test's thread below
+                failures.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        try:
+            # Decoding past the 40-token prompt (computed 16 tokens a step): the full group holds more than its
+            # 10 blocks, each sliding group's table counts the blocks that slid out of its window.
+            page.wait_for_function("""() => {
+              const row = document.querySelector('#requests .request[data-status=running]');
+              return row && row.querySelectorAll('.req-group').length === 3
+                && row.querySelectorAll('.req-group[data-group="2"] .req-block').length > 10
+                && row.querySelector('.req-group[data-group="0"] .req-slid') !== null;
+            }""", timeout=WAIT_MS, polling=50)  # polled: this lasts about two seconds
+            shown = page.evaluate("""() => {
+              const row = document.querySelector('#requests .request[data-status=running]');
+              const groups = [...row.querySelectorAll('.req-group')].map(part => ({
+                group: part.dataset.group,
+                label: part.querySelector('.req-group-label').textContent,
+                blocks: [...part.querySelectorAll('.req-block')].map(b => ({
+                  block: b.dataset.block, index: Number(b.dataset.index), group: b.dataset.group,
+                  cell: document.querySelector(`#pool .cell[data-block="${b.dataset.block}"]`).dataset.group})),
+                slid: Number((part.querySelector('.req-slid') || {dataset: {count: 0}}).dataset.count),
+              }));
+              return {groups, used: [...document.querySelectorAll('#groups-legend .group-used')]
+                                    .map(b => Number(b.textContent))};
+            }""")
+            groups = shown["groups"]
+            assert [g["label"] for g in groups] == ["g0 sliding 8", "g1 sliding 8", "g2 full"]
+            for g in groups:
+                # each block's cell is of the group whose table holds it
+                assert all(b["group"] == b["cell"] == g["group"] for b in g["blocks"]), g
+                indices = [b["index"] for b in g["blocks"]]
+                assert indices == list(range(g["slid"], g["slid"] + len(indices))), g  # the tail of the table
+            for g in groups[:2]:  # the window's 7 earlier positions and the block being written: 3 blocks
+                assert g["slid"] > 0 and len(g["blocks"]) <= 3, g
+            assert groups[2]["slid"] == 0 and len(groups[2]["blocks"]) >= 10
+            assert groups[2]["slid"] + len(groups[2]["blocks"]) == groups[0]["slid"] + len(groups[0]["blocks"])
+            assert shown["used"][2] >= len(groups[2]["blocks"])
+            expect(page.locator("#events .event[data-kind=slide]").first).to_be_attached(timeout=WAIT_MS)
+            figures(page)
+
+            # A full group's cell: the tooltip names its group and the request's block in it.
+            page.locator('#pool .cell[data-group="2"]').first.hover()
+            expect(page.locator("#tooltip")).to_contain_text("group 2: full", timeout=WAIT_MS)
+            page.screenshot(path=screenshot_dir / "live_groups.png", full_page=True)
+        finally:
+            assert done.wait(300), "the request did not finish"
+        assert not failures, failures
+        page.mouse.move(2, 2)
+        page.wait_for_function("""() => [...document.querySelectorAll('#groups-legend .group-used')]
+                                  .every(b => b.textContent === '0')""", timeout=WAIT_MS)
+        expect(page.locator("#requests .request")).to_have_count(0, timeout=WAIT_MS)
+
+
+def test_a_model_of_one_kind_shows_no_group_legend(small_server, page):
+    open_live(page, f"{small_server.url}/dashboard")
+    expect(page.locator("#groups-legend")).to_be_hidden()
+    assert page.locator("#pool .cell[data-group]").count() == 0

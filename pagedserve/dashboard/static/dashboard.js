@@ -9,6 +9,7 @@ const MAX_TOOLTIP_OWNERS = 16;
 const MAX_ARROWS = 96;
 const CHART_W = 200; // the charts' viewBox; strokes do not scale with it
 const CHART_H = 48;
+const KIND_COLORS = 6; // the palette of group kinds in the CSS (data-kind-color 0..5)
 
 const $ = (id) => document.getElementById(id);
 // Taken from the inline <svg> so that no namespace URL has to be spelled out in this file.
@@ -19,7 +20,8 @@ const state = {
   frame: null, // the frame on screen
   framesRendered: 0,
   owners: new Map(), // physical block id -> [{req, index}] in the frame on screen
-  pool: { n: -1, cellBlocks: 0, cells: [], states: [], refs: [], texts: [] },
+  pool: { n: -1, cellBlocks: 0, cells: [], states: [], refs: [], texts: [], groups: [] },
+  groupColors: [], // per KV cache group of the frame on screen: its kind's colour (groups of one window share it)
   rows: new Map(), // request id -> its .request element, reused from frame to frame
   hover: null, // {request: id} or {blocks: [ids]}: what the pool highlights
   highlighted: [], // cell indices that carry the class "highlight"
@@ -81,6 +83,48 @@ function tokenRange(index, blockSize, numTokens) {
   return last >= first ? `${first}-${last}` : "none yet";
 }
 
+// ---- KV cache groups: a model mixing full attention and sliding windows keeps a block table per group ----
+
+function isGrouped(frame) {
+  return (frame.groups || []).length > 1;
+}
+
+function groupKind(group) {
+  return group && group.window ? `sliding ${group.window}` : "full";
+}
+
+// Groups of one window share a colour: their window's place among the frame's windows, in order.
+function kindColors(groups) {
+  const windows = [];
+  return groups.map((g) => {
+    const w = g.window || 0;
+    if (!windows.includes(w)) windows.push(w);
+    return windows.indexOf(w) % KIND_COLORS;
+  });
+}
+
+// The request's tables, one per group (null where a block left its sliding window); a frame without
+// them has the one table `blocks`.
+function requestTables(req) {
+  return req.groups || [req.blocks || []];
+}
+
+// Each block the request holds: {block, index (its logical block), group}.
+function heldEntries(req) {
+  const out = [];
+  requestTables(req).forEach((table, group) =>
+    table.forEach((block, index) => {
+      if (block !== null && block !== undefined) out.push({ block, index, group });
+    })
+  );
+  return out;
+}
+
+function groupName(frame, g) {
+  const group = (frame.groups || [])[g];
+  return `group ${g}: ${groupKind(group)}`;
+}
+
 function cellOfBlock(block) {
   const i = Math.floor(block / Math.max(1, state.pool.cellBlocks));
   return state.pool.cells[i];
@@ -92,6 +136,7 @@ function renderFrame(frame) {
   state.frame = frame;
   state.owners = indexOwners(frame);
   renderHeader(frame);
+  renderGroups(frame);
   renderPool(frame);
   renderRequests(frame);
   renderCharts(frame.series || {});
@@ -107,11 +152,11 @@ function frameDone() {
 function indexOwners(frame) {
   const owners = new Map();
   for (const req of frame.requests || []) {
-    (req.blocks || []).forEach((block, index) => {
+    for (const { block, index, group } of heldEntries(req)) {
       let list = owners.get(block);
       if (!list) owners.set(block, (list = []));
-      list.push({ req, index });
-    });
+      list.push({ req, index, group });
+    }
   }
   return owners;
 }
@@ -141,15 +186,48 @@ function renderHeader(frame) {
   setText($("engine-offloaded"), int(offloaded));
 }
 
+// ---- the KV cache groups' legend: each group, its window and its blocks --------------------------------
+
+function renderGroups(frame) {
+  const groups = frame.groups || [];
+  state.groupColors = kindColors(groups);
+  const box = $("groups-legend");
+  box.hidden = groups.length <= 1;
+  if (box.hidden) return;
+  if (box.childElementCount !== groups.length) {
+    box.replaceChildren(
+      ...groups.map((_, g) => {
+        const item = el("span", "legend-item group-item");
+        item.dataset.group = String(g);
+        item.append(el("i", "swatch swatch-group"), el("span", "group-name"), el("b", "group-used"));
+        return item;
+      })
+    );
+  }
+  groups.forEach((group, g) => {
+    const item = box.children[g];
+    const [swatch, name, used] = item.children;
+    swatch.dataset.kindColor = String(state.groupColors[g]);
+    item.dataset.window = String(group.window || 0);
+    setText(name, groupName(frame, g));
+    setText(used, int(group.used_blocks));
+    const title = `${int(group.used_blocks)} blocks in use, ${int(group.cached_blocks)} cached`;
+    if (item.title !== title) item.title = title;
+  });
+}
+
 // ---- the block pool ---------------------------------------------------------------------------------
 
 // Cell elements are made once per change in their number; frames then only update attributes.
 function renderPool(frame) {
   const cells = frame.cells || [];
   const refs = frame.cell_refs || [];
+  const cellGroups = frame.cell_groups || [];
+  const grouped = isGrouped(frame);
   const cellBlocks = Math.max(1, frame.cell_blocks || 1);
   const p = state.pool;
   if (cells.length !== p.n || cellBlocks !== p.cellBlocks) buildPool(cells.length, cellBlocks);
+  $("pool").classList.toggle("grouped", grouped);
 
   for (let i = 0; i < cells.length; i++) {
     const s = STATES[cells[i]] || "free";
@@ -162,11 +240,25 @@ function renderPool(frame) {
       cell.dataset.ref = String(r);
     }
     if (p.texts[i] !== text) cell.textContent = p.texts[i] = text;
+    // The group whose tokens the cell's blocks hold, drawn as a bar in its kind's colour.
+    const g = grouped && cellGroups[i] >= 0 ? cellGroups[i] : -1;
+    const group = g >= 0 ? `${g}:${state.groupColors[g] || 0}` : "";
+    if (p.groups[i] !== group) {
+      p.groups[i] = group;
+      if (g >= 0) {
+        cell.dataset.group = String(g);
+        cell.dataset.kindColor = String(state.groupColors[g] || 0);
+      } else {
+        delete cell.dataset.group;
+        delete cell.dataset.kindColor;
+      }
+    }
   }
 
   const note = [`${int(frame.num_blocks)} blocks × ${int(frame.block_size)} tokens`];
   if (cellBlocks > 1) note.push(`${cellBlocks} blocks per cell`);
   note.push("a number is a shared block's ref count");
+  if (grouped) note.push("the bar's colour is the KV cache group's kind");
   setText($("pool-note"), note.join(", "));
 }
 
@@ -189,6 +281,7 @@ function buildPool(n, cellBlocks) {
     states: new Array(n).fill(""),
     refs: new Array(n).fill(-1),
     texts: new Array(n).fill(null),
+    groups: new Array(n).fill(null),
   });
   state.highlighted = [];
   sizePool();
@@ -251,17 +344,27 @@ function fillTooltip(cellIndex) {
   what.append(el("i", "swatch"), `${s}` + (ref > 0 ? `, ref ${ref}` : ""));
   what.firstChild.dataset.state = s;
   lines.push(what);
+  const grouped = isGrouped(frame);
+  const cellGroup = grouped ? (frame.cell_groups || [])[cellIndex] : -1;
+  if (cellGroup >= 0) {
+    const group = el("div", "tip-group");
+    const swatch = el("i", "swatch swatch-group");
+    swatch.dataset.kindColor = String(state.groupColors[cellGroup] || 0);
+    group.append(swatch, (p.cellBlocks > 1 ? "mostly " : "") + groupName(frame, cellGroup));
+    lines.push(group);
+  }
 
   let shown = 0;
   let more = 0;
   for (let b = first; b <= last; b++) {
-    for (const { req, index } of state.owners.get(b) || []) {
+    for (const { req, index, group } of state.owners.get(b) || []) {
       if (shown >= MAX_TOOLTIP_OWNERS) {
         more += 1;
         continue;
       }
       const where = p.cellBlocks > 1 ? ` (block #${b})` : "";
-      const line = `${req.id} block ${index} tokens ${tokenRange(index, bs, req.num_tokens || 0)}${where}`;
+      const inGroup = grouped ? ` in group ${group}` : "";
+      const line = `${req.id} block ${index} tokens ${tokenRange(index, bs, req.num_tokens || 0)}${inGroup}${where}`;
       lines.push(el("div", "tip-owner", line));
       shown += 1;
     }
@@ -331,36 +434,67 @@ function updateRequestRow(row, req, frame) {
   if (row.dataset.status !== status) row.dataset.status = status;
   const [, statusEl, tokensEl] = row.firstChild.children;
   setText(statusEl, status);
-  const blocks = req.blocks || [];
-  setText(tokensEl, `${int(req.num_tokens)} tokens, ${blocks.length} block${blocks.length === 1 ? "" : "s"}`);
+  const held = heldEntries(req).length;
+  setText(tokensEl, `${int(req.num_tokens)} tokens, ${held} block${held === 1 ? "" : "s"}`);
 
+  // One strip of blocks; with several KV cache groups, one per group, labelled with its kind.
   const strip = row.lastChild;
-  const key = blocks.join(",");
+  const grouped = isGrouped(frame);
+  const tables = requestTables(req);
+  const key = (grouped ? "groups " : "") + JSON.stringify(tables);
   if (strip.dataset.key !== key) {
     strip.dataset.key = key;
-    strip.replaceChildren(
-      ...blocks.map((block, index) => {
-        const b = el("span", "req-block", String(block));
-        b.dataset.block = String(block);
-        b.dataset.index = String(index);
-        return b;
-      })
-    );
+    if (grouped) {
+      strip.replaceChildren(
+        ...tables.map((table, g) => {
+          const part = el("div", "req-group");
+          part.dataset.group = String(g);
+          const label = el("span", "req-group-label", `g${g} ${groupKind(frame.groups[g])}`);
+          label.dataset.kindColor = String(state.groupColors[g] || 0);
+          part.append(label, ...tableSpans(table, g));
+          return part;
+        })
+      );
+    } else {
+      strip.replaceChildren(...tableSpans(tables[0] || [], 0));
+    }
   }
   // Coloured like the pool cell of the block. A block in a table is held, so an aggregated cell
   // whose majority is free or cached still shows as used here.
   const bs = frame.block_size || 1;
   const n = req.num_tokens || 0;
-  const children = strip.children;
-  for (let i = 0; i < children.length; i++) {
-    const b = children[i];
-    const cell = cellOfBlock(blocks[i]);
+  for (const b of strip.querySelectorAll(".req-block")) {
+    const block = Number(b.dataset.block);
+    const index = Number(b.dataset.index);
+    const cell = cellOfBlock(block);
     let s = cell ? cell.dataset.state : "used";
     if (s === "free" || s === "cached") s = "used";
     if (b.dataset.state !== s) b.dataset.state = s;
-    const title = `logical ${i} → physical ${blocks[i]}, tokens ${tokenRange(i, bs, n)}`;
+    const inGroup = grouped ? ` (${groupName(frame, Number(b.dataset.group))})` : "";
+    const title = `logical ${index} → physical ${block}, tokens ${tokenRange(index, bs, n)}${inGroup}`;
     if (b.title !== title) b.title = title;
   }
+}
+
+// A table's held blocks as spans; the blocks a sliding window let go of (null) as one count before them.
+function tableSpans(table, group) {
+  const spans = [];
+  const slid = table.filter((block) => block === null || block === undefined).length;
+  if (slid) {
+    const note = el("span", "req-slid", `${slid} slid`);
+    note.dataset.count = String(slid);
+    note.title = `${slid} block${slid === 1 ? "" : "s"} behind the sliding window, back in the pool`;
+    spans.push(note);
+  }
+  table.forEach((block, index) => {
+    if (block === null || block === undefined) return;
+    const b = el("span", "req-block", String(block));
+    b.dataset.block = String(block);
+    b.dataset.index = String(index);
+    b.dataset.group = String(group);
+    spans.push(b);
+  });
+  return spans;
 }
 
 // ---- hover: a request's (or an event's) blocks highlighted in the pool ---------------------------------

@@ -77,6 +77,13 @@ class EngineCollector(Collector):
             for reason in FINISH_REASONS:
                 finished.add_metric([*labels, reason], s.finished.get(reason, 0))
         yield finished
+        groups = GaugeMetricFamily("pagedserve:kv_cache_group_used_blocks",
+                                   "KV blocks in use per KV cache group (window 0: full attention).",
+                                   labels=[*label_names, "group", "window"])
+        for labels, s in series:
+            for g, (window, used) in enumerate(s.kv_groups):
+                groups.add_metric([*labels, str(g), str(window)], used)
+        yield groups
         spec_series = [(labels, s.spec) for labels, s in series if s.spec is not None]
         if not spec_series:
             return
