@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pagedserve"
 # Lowest first. An entry names a module or a package (then every module under it).
 LAYERS: list[tuple[str, ...]] = [
     ("pagedserve.cache", "pagedserve.heap", "pagedserve.hugepages", "pagedserve.text", "pagedserve.outputs",
-     "pagedserve.errors", "pagedserve.lifetime", "pagedserve.config", "pagedserve.kv.sizes"),
+     "pagedserve.errors", "pagedserve.lifetime", "pagedserve.config", "pagedserve.kv.sizes", "pagedserve.kv.groups"),
     ("pagedserve.ops",),  # C-backed ops: what they compute, not who calls them
     ("pagedserve.structured_output",),
     ("pagedserve.sampling_params",),

@@ -212,9 +212,8 @@ def test_model_config_from_hf(hf, expected):
 
 
 def test_model_config_rejects_what_we_cannot_run():
-    with pytest.raises(ValueError, match="unsupported rope type 'proportional'.*default, linear.*llama3"):
-        ModelConfig.from_hf_config(LlamaConfig(**TINY, rope_parameters={"rope_type": "proportional",
-                                                                         "rope_theta": 1e4}))
+    with pytest.raises(ValueError, match="unsupported rope type 'made_up'.*default, linear.*llama3"):
+        ModelConfig.from_hf_config(LlamaConfig(**TINY, rope_parameters={"rope_type": "made_up", "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf_config(LlamaConfig(**TINY, hidden_act="gelu"))
 
