@@ -31,24 +31,13 @@ SHAPE = dict(hidden_size=1152, intermediate_size=6912, num_attention_heads=4, nu
 
 
 def gemma_shaped_checkpoint(directory: Path, num_layers: int = 6, window: int = WINDOW, **shape) -> Path:
-    """A random-weight model whose every 6th layer is full attention, the others sliding."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """A random-weight Gemma 3 model whose every 6th layer is full attention, the others sliding."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-    try:
-        from transformers import Gemma3TextConfig
-
-        from pagedserve.models.config import SUPPORTED_ARCHITECTURES
-        gemma = "gemma3_text" in SUPPORTED_ARCHITECTURES
-    except ImportError:
-        gemma = False
     layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)]
     dims = SHAPE | shape
-    if gemma:
-        config = Gemma3TextConfig(**dims, num_hidden_layers=num_layers, sliding_window=window, layer_types=layer_types,
-                                  query_pre_attn_scalar=dims["head_dim"])
-    else:  # the same layer layout on a Llama-style decoder
-        config = Qwen2Config(**{k: v for k, v in dims.items() if k != "head_dim"}, num_hidden_layers=num_layers,
-                             sliding_window=window, use_sliding_window=True, layer_types=layer_types)
+    config = Gemma3TextConfig(**dims, num_hidden_layers=num_layers, sliding_window=window, layer_types=layer_types,
+                              query_pre_attn_scalar=dims["head_dim"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
