@@ -80,6 +80,7 @@ class ModelRunner:
         # The pool's buffers (one per layer of a KV cache group: kv/groups.py), and each layer's view
         # of its buffer (with its own fp8 scales).
         self.kv_layout = model_config.kv_layout(config.disable_hybrid_kv_cache)
+        self.layer_groups = [g for g, _ in self.kv_layout.layer_places()]  # each layer's group, for every step
         self.kv_caches: list[KVCache] = []
         self.layer_caches: list[KVCache] = []
         # Chosen once; it builds each step's metadata, and the model's attention layers run it.
@@ -174,7 +175,7 @@ class ModelRunner:
             kernels = self._cpu_kernel_paths()
             skipped = fast_paths.replay_skipped(self.model_config, self.config, kernels)
             if skipped is None and self.device.type == "cpu":
-                groups = [g for g, _ in self.kv_layout.layer_places()] if self.kv_layout.num_groups > 1 else None
+                groups = self.layer_groups if self.kv_layout.num_groups > 1 else None
                 graph = CpuDecodeGraph.attempt(
                     self.model, self.layer_caches, min(self.max_decode_rows, cpu_linear.MAX_ROWS),
                     cdiv(max_model_len, self.block_size), self.block_size, self.attention_backend, groups)
@@ -259,7 +260,7 @@ class ModelRunner:
         """What the model's forward takes: one metadata for every layer, or each layer its group's."""
         if len(mds) == 1:
             return mds[0]
-        return [mds[g] for g, _ in self.kv_layout.layer_places()]
+        return [mds[g] for g in self.layer_groups]
 
     def execute(self, plan: SchedulerOutput, sample_rows: list[int],
                 prompt_spans: list[tuple[int, int, int]] = ()) -> torch.Tensor:
